@@ -1,0 +1,236 @@
+"""KV pool layouts and all address math (the one module that turns pages into bytes).
+
+A KV pool holds one or more *entries*: one entry per model whose KV travels (the target model and,
+with speculative decoding, the draft model). Each entry lives in ONE contiguous buffer so it is
+registered with the transfer engine once:
+
+* GQA / MHA entry  (``attn == "gqa"``), buffer shape
+  ``[num_layers, 2, num_pages, page_size, kv_heads, head_dim]`` — per layer K then V, each
+  ``[pages, page_size, kv_heads, head_dim]``.
+* MLA entry (``attn == "mla"``), buffer shape ``[num_layers, num_pages, page_size, latent_dim]``
+  with ``latent_dim = kv_lora_rank + rope_dim`` — the compressed latent as DeepSeek caches it.
+
+A *component* is one ``[pages, page_size, ...]`` slab of one layer: GQA layers have two (K, V),
+MLA layers one. The bytes of page ``p`` of (layer, component) start at
+``base_addr + ((layer * components + component) * num_pages + p) * page_bytes``.
+
+Tensor parallelism: ``head_start`` / ``total_kv_heads`` say which KV heads this rank holds, so a
+future TP-aware sender can slice heads; today both sides must hold the same heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+ATTN_KINDS = ("gqa", "mla")
+ROLES = ("target", "draft")
+
+
+@dataclass(frozen=True)
+class EntryLayout:
+    """Layout of one pool entry (one model's KV cache).
+
+    Compatibility between two sides is decided by :meth:`signature` (everything but the
+    pool-local fields ``num_pages`` and ``base_addr``).
+    """
+
+    role: str  # "target" | "draft"
+    attn: str  # "gqa" | "mla"
+    dtype: str  # key of DTYPE_SIZES
+    page_size: int  # tokens per page
+    num_layers: int
+    num_pages: int  # pages in this pool (local)
+    kv_heads: int = 1  # GQA: KV heads held here; MLA: 1
+    head_dim: int = 0  # GQA: head dim; MLA: kv_lora_rank + rope_dim
+    kv_lora_rank: int = 0  # MLA only
+    rope_dim: int = 0  # MLA only
+    head_start: int = 0  # first KV head held (tensor parallel)
+    total_kv_heads: int = 0  # KV heads of the whole model (0: same as kv_heads)
+    base_addr: int = 0  # address of the entry's buffer (local)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role {self.role!r} not in {ROLES}")
+        if self.attn not in ATTN_KINDS:
+            raise ValueError(f"attn {self.attn!r} not in {ATTN_KINDS}")
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"dtype {self.dtype!r} not in {sorted(DTYPE_SIZES)}")
+        for name in ("page_size", "num_layers", "num_pages", "kv_heads", "head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.attn == "mla":
+            if self.kv_heads != 1:
+                raise ValueError("an MLA entry caches one latent per token: kv_heads must be 1")
+            if self.kv_lora_rank <= 0 or self.kv_lora_rank + self.rope_dim != self.head_dim:
+                raise ValueError(
+                    f"MLA head_dim ({self.head_dim}) must equal kv_lora_rank ({self.kv_lora_rank})"
+                    f" + rope_dim ({self.rope_dim}), with kv_lora_rank > 0"
+                )
+        if self.total_kv_heads and self.head_start + self.kv_heads > self.total_kv_heads:
+            raise ValueError("head_start + kv_heads exceeds total_kv_heads")
+
+    # ---- sizes -------------------------------------------------------------------------------
+    @property
+    def components(self) -> int:
+        """Slabs per layer: 2 (K, V) for GQA, 1 (latent) for MLA."""
+        return 2 if self.attn == "gqa" else 1
+
+    @property
+    def elem_size(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token in one component of one layer."""
+        return self.kv_heads * self.head_dim * self.elem_size
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page in one component of one layer (the stride between pages)."""
+        return self.page_size * self.token_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the whole entry buffer."""
+        return self.num_layers * self.components * self.num_pages * self.page_bytes
+
+    def buffer_shape(self) -> tuple[int, ...]:
+        if self.attn == "gqa":
+            return (
+                self.num_layers, 2, self.num_pages, self.page_size, self.kv_heads, self.head_dim
+            )
+        return (self.num_layers, self.num_pages, self.page_size, self.head_dim)
+
+    def bytes_per_token_all_layers(self) -> int:
+        return self.num_layers * self.components * self.token_bytes
+
+    # ---- addresses ---------------------------------------------------------------------------
+    def slab_addr(self, layer: int, component: int) -> int:
+        """Address of page 0 of (layer, component)."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} outside [0, {self.num_layers})")
+        if not 0 <= component < self.components:
+            raise IndexError(f"component {component} outside [0, {self.components})")
+        return self.base_addr + (layer * self.components + component) * self.num_pages * (
+            self.page_bytes
+        )
+
+    def page_addr(self, layer: int, component: int, page: int) -> int:
+        if not 0 <= page < self.num_pages:
+            raise IndexError(f"page {page} outside [0, {self.num_pages})")
+        return self.slab_addr(layer, component) + page * self.page_bytes
+
+    def signature(self) -> dict:
+        """The fields both sides must agree on before any byte moves."""
+        return {
+            "role": self.role,
+            "attn": self.attn,
+            "dtype": self.dtype,
+            "page_size": self.page_size,
+            "num_layers": self.num_layers,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "kv_lora_rank": self.kv_lora_rank,
+            "rope_dim": self.rope_dim,
+            "head_start": self.head_start,
+            "total_kv_heads": self.total_kv_heads or self.kv_heads,
+        }
+
+    def with_pool(self, num_pages: int, base_addr: int) -> EntryLayout:
+        return replace(self, num_pages=num_pages, base_addr=base_addr)
+
+
+def page_runs(pages: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
+    """Split a page list into maximal runs of consecutive ids: [(first_page, count), ...].
+
+    Order is preserved: position i of the list maps to position i on the other side, so runs are
+    cut wherever either side is not consecutive (see :func:`paired_runs`).
+    """
+    runs: list[tuple[int, int]] = []
+    for p in pages:
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((p, 1))
+    return runs
+
+
+def paired_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """Runs where both source and destination pages are consecutive: [(src0, dst0, count)]."""
+    if len(src) != len(dst):
+        raise ValueError(f"page lists differ in length: {len(src)} source vs {len(dst)} destination")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s0 + n == s and d0 + n == d:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One contiguous copy: ``length`` bytes from local ``src`` to remote ``dst``."""
+
+    src: int
+    dst: int
+    length: int
+
+
+def check_compatible(local: EntryLayout, remote_signature: dict) -> str | None:
+    """None when compatible, else a message naming the first differing field."""
+    mine = local.signature()
+    for key, value in mine.items():
+        theirs = remote_signature.get(key)
+        if theirs != value:
+            return f"entry {local.role}: {key} differs (local {value!r}, remote {theirs!r})"
+    return None
+
+
+def group_transfers(
+    src: EntryLayout,
+    dst: EntryLayout,
+    src_pages: list[int],
+    dst_pages: list[int],
+    layers: range,
+) -> list[Transfer]:
+    """Copies that move ``src_pages`` of ``layers`` into ``dst_pages`` (paired by position).
+
+    Consecutive pages on both sides coalesce into one copy per (layer, component).
+    """
+    err = check_compatible(src, dst.signature())
+    if err:
+        raise ValueError(err)
+    runs = paired_runs(list(src_pages), list(dst_pages))
+    pb = src.page_bytes
+    out: list[Transfer] = []
+    for layer in layers:
+        for comp in range(src.components):
+            s_base = src.slab_addr(layer, comp)
+            d_base = dst.slab_addr(layer, comp)
+            for s0, d0, n in runs:
+                if s0 + n > src.num_pages or d0 + n > dst.num_pages:
+                    raise IndexError(
+                        f"page run ({s0}->{d0}, {n}) outside pools of {src.num_pages}/{dst.num_pages}"
+                    )
+                out.append(Transfer(s_base + s0 * pb, d_base + d0 * pb, n * pb))
+    return out
+
+
+@dataclass
+class PoolLayout:
+    """All entries of one pool, keyed by role (``target``, optionally ``draft``)."""
+
+    entries: dict[str, EntryLayout] = field(default_factory=dict)
+
+    def add(self, entry: EntryLayout) -> None:
+        if entry.role in self.entries:
+            raise ValueError(f"pool already has a {entry.role} entry")
+        self.entries[entry.role] = entry
+
+    def signatures(self) -> dict[str, dict]:
+        return {role: e.signature() for role, e in self.entries.items()}
