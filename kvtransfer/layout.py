@@ -99,7 +99,12 @@ class EntryLayout:
     def buffer_shape(self) -> tuple[int, ...]:
         if self.attn == "gqa":
             return (
-                self.num_layers, 2, self.num_pages, self.page_size, self.kv_heads, self.head_dim
+                self.num_layers,
+                2,
+                self.num_pages,
+                self.page_size,
+                self.kv_heads,
+                self.head_dim,
             )
         return (self.num_layers, self.num_pages, self.page_size, self.head_dim)
 
@@ -160,9 +165,11 @@ def page_runs(pages: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
 def paired_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     """Runs where both source and destination pages are consecutive: [(src0, dst0, count)]."""
     if len(src) != len(dst):
-        raise ValueError(f"page lists differ in length: {len(src)} source vs {len(dst)} destination")
+        raise ValueError(
+            f"page lists differ in length: {len(src)} source vs {len(dst)} destination"
+        )
     runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst):
+    for s, d in zip(src, dst, strict=True):
         if runs:
             s0, d0, n = runs[-1]
             if s0 + n == s and d0 + n == d:
@@ -215,7 +222,8 @@ def group_transfers(
             for s0, d0, n in runs:
                 if s0 + n > src.num_pages or d0 + n > dst.num_pages:
                     raise IndexError(
-                        f"page run ({s0}->{d0}, {n}) outside pools of {src.num_pages}/{dst.num_pages}"
+                        f"page run ({s0}->{d0}, {n}) outside pools of"
+                        f" {src.num_pages}/{dst.num_pages}"
                     )
                 out.append(Transfer(s_base + s0 * pb, d_base + d0 * pb, n * pb))
     return out

@@ -87,7 +87,9 @@ def convert(out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="models/smollm2-135m-instruct")
-    ap.add_argument("--force", action="store_true", help="convert even if the directory is complete")
+    ap.add_argument(
+        "--force", action="store_true", help="convert even if the directory is complete"
+    )
     args = ap.parse_args()
     out = Path(args.out)
     if not args.force and all((out / f).exists() for f in DONE_FILES):

@@ -30,7 +30,12 @@ step "virtual environment $VENV"
 VPY="$VENV/bin/python"
 "$VPY" -m pip install -q --upgrade pip
 
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+# PD_TARGET=cpu|cuda overrides the detection (a Docker build sees no GPU).
+TARGET="${PD_TARGET:-auto}"
+if [ "$TARGET" = auto ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then TARGET=cuda; else TARGET=cpu; fi
+fi
+if [ "$TARGET" = cuda ]; then
   HAS_CUDA=1
   TORCH_SPEC="torch"
   MOONCAKE="mooncake-transfer-engine==0.3.13.post1"

@@ -1,0 +1,22 @@
+# Serving image: the NGC tritonserver image (its tritonserver binary and Python backend) plus this
+# repository, installed by the same scripts/setup.sh as on bare hosts. Not buildable on the
+# project's CI machines (no Docker engine there); keep it in step with scripts/setup.sh.
+#
+#   docker build -t pd-triton .
+#   docker run --gpus all --shm-size 2g -p 8000:8000 -p 8001:8001 -p 8002:8002 pd-triton
+FROM nvcr.io/nvidia/tritonserver:24.10-py3
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PD_TARGET=cuda \
+    PYTHONUNBUFFERED=1
+RUN apt-get update && apt-get install -y --no-install-recommends \
+        python3-venv libibverbs1 iproute2 \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /opt/pd-triton
+COPY . .
+# tritonserver is on PATH in this image, so setup.sh skips the nvidia-pytriton wheel.
+RUN bash scripts/setup.sh
+
+EXPOSE 8000 8001 8002
+CMD ["bash", "scripts/serve.sh", "--foreground"]

@@ -1,0 +1,116 @@
+"""Feed-forward building blocks: RMSNorm, gated SiLU MLP, DeepSeek mixture of experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .weights import WeightReader
+
+
+class RMSNorm:
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight, self.eps = weight, eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, D]; statistics in float32 as the reference implementations do
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class MLP:
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, w: WeightReader, prefix: str):
+        self.gate, self.up, self.down = (
+            w.get(f"{prefix}.{n}_proj.weight") for n in ("gate", "up", "down")
+        )
+        self.gate_b, self.up_b, self.down_b = (
+            w.opt(f"{prefix}.{n}_proj.bias") for n in ("gate", "up", "down")
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, D] -> [T, D]
+        h = F.silu(F.linear(x, self.gate, self.gate_b)) * F.linear(x, self.up, self.up_b)
+        return F.linear(h, self.down, self.down_b)
+
+
+class MoE:
+    """DeepSeek MoE: routed experts (top-k of a gate) plus always-on shared experts.
+
+    Routing: V2 scores with softmax (``greedy`` or ``group_limited_greedy``); V3 scores with a
+    sigmoid, picks groups and experts on ``score + e_score_correction_bias`` but weights by the
+    raw score, optionally normalised; both scale by ``routed_scaling_factor``.
+    """
+
+    def __init__(self, cfg: ModelConfig, w: WeightReader, prefix: str):
+        self.cfg = cfg
+        self.gate_w = w.get(f"{prefix}.gate.weight")  # [E, D]
+        self.bias = w.opt(f"{prefix}.gate.e_score_correction_bias")  # [E]
+        E = cfg.n_routed_experts
+        if w.has(f"{prefix}.experts.gate_up_proj"):  # fused layout written by transformers 5
+            gate_up = w.get(f"{prefix}.experts.gate_up_proj")  # [E, 2I, D]
+            self.w_gate, self.w_up = gate_up.chunk(2, dim=1)  # [E, I, D] each
+            self.w_down = w.get(f"{prefix}.experts.down_proj")  # [E, D, I]
+        else:
+            ex = f"{prefix}.experts"
+            self.w_gate = torch.stack([w.get(f"{ex}.{e}.gate_proj.weight") for e in range(E)])
+            self.w_up = torch.stack([w.get(f"{ex}.{e}.up_proj.weight") for e in range(E)])
+            self.w_down = torch.stack([w.get(f"{ex}.{e}.down_proj.weight") for e in range(E)])
+        self.shared = MLP(w, f"{prefix}.shared_experts") if cfg.n_shared_experts else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, D] -> (weights [T, k] float32, expert ids [T, k])."""
+        cfg, E, k = self.cfg, self.cfg.n_routed_experts, self.cfg.num_experts_per_tok
+        logits = F.linear(x.float(), self.gate_w.float())  # [T, E]
+        if cfg.scoring == "sigmoid":
+            scores = logits.sigmoid()
+            choice = scores + (self.bias.float() if self.bias is not None else 0.0)
+            grouped = choice.view(-1, cfg.n_group, E // cfg.n_group)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(-1)  # [T, G]
+            choice = self._mask_groups(choice, group_scores, float("-inf"))
+            idx = torch.topk(choice, k=k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, idx)
+            if cfg.norm_topk_prob:
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+            return weights * cfg.routed_scaling_factor, idx
+        scores = logits.softmax(-1, dtype=torch.float32)
+        if cfg.topk_method == "group_limited_greedy":
+            group_scores = scores.view(-1, cfg.n_group, E // cfg.n_group).max(-1).values
+            scores = self._mask_groups(scores, group_scores, 0.0)
+        weights, idx = torch.topk(scores, k=k, dim=-1, sorted=False)
+        if k > 1 and cfg.norm_topk_prob:  # original DeepSeek-V2: normalise instead of scaling
+            return weights / (weights.sum(-1, keepdim=True) + 1e-20), idx
+        return weights * cfg.routed_scaling_factor, idx
+
+    def _mask_groups(self, scores: torch.Tensor, group_scores: torch.Tensor, fill: float):
+        cfg = self.cfg
+        top_groups = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, top_groups, 1).bool()  # [T, G]
+        keep = keep[:, :, None].expand(-1, -1, cfg.n_routed_experts // cfg.n_group)
+        return scores.masked_fill(~keep.reshape(scores.shape), fill)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, D] -> [T, D]
+        weights, idx = self.route(x)  # [T, k]
+        out = torch.zeros_like(x)
+        flat_idx = idx.reshape(-1)  # [T * k]
+        order = torch.argsort(flat_idx, stable=True)
+        counts = torch.bincount(flat_idx, minlength=self.cfg.n_routed_experts).tolist()
+        token_of = order // idx.shape[1]  # token of each sorted assignment
+        start = 0
+        for e, n in enumerate(counts):  # loop over experts hit, never over tokens
+            if n == 0:
+                continue
+            sel = order[start : start + n]
+            tok = token_of[start : start + n]
+            start += n
+            xe = x[tok]  # [n, D]
+            h = F.silu(F.linear(xe, self.w_gate[e])) * F.linear(xe, self.w_up[e])
+            ye = F.linear(h, self.w_down[e]) * weights.reshape(-1)[sel, None]
+            out.index_add_(0, tok, ye.to(x.dtype))
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out

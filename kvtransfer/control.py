@@ -1,0 +1,229 @@
+"""The control loop both sides share: one thread owns every ZMQ socket and every room.
+
+API calls from other threads become commands (``self.call``) that the loop runs in order; a
+pipe wakes the loop at once. Status changes happen under ``self.cond`` so ``poll``/``wait`` are
+consistent; release callbacks run on the loop thread, outside the lock, exactly once per room.
+Frames that do not decode (garbage, truncated, unknown version, bad HMAC) are logged and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+
+from . import messages as m
+from .config import TransferConfig
+from .state import Room, RoomStatus, RoomTable
+from .stats import TransferStats
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME_BYTES = 64 << 20
+TICK_S = 0.02
+
+ReleaseCallback = Callable[[int, RoomStatus], None]
+
+
+class TransferFailed(RuntimeError):
+    """A room ended Failed; carries the room and the reason."""
+
+    def __init__(self, room: int, reason: str):
+        super().__init__(f"room {room}: {reason}")
+        self.room, self.reason = room, reason
+
+
+class ControlLoop:
+    name = "kv-control"
+
+    def __init__(self, config: TransferConfig):
+        self.config = config
+        self.rooms = RoomTable(config.tombstones)
+        self.transfer_stats = TransferStats()
+        self.cond = threading.Condition()
+        self.dropped: dict[str, int] = {}  # dropped frames by kind
+        self.ctx = zmq.Context()
+        self.poller = zmq.Poller()
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self.poller.register(self._wake_r, zmq.POLLIN)
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+
+    # ---- plumbing ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def socket(self, kind: int) -> zmq.Socket:
+        s = self.ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self.poller.register(s, zmq.POLLIN)
+        return s
+
+    def call(self, fn: Callable, *args: Any) -> Future:
+        """Run ``fn(*args)`` on the loop thread; the future holds its result or exception."""
+        fut: Future = Future()
+        if self._stop:
+            fut.set_exception(RuntimeError(f"{self.name} is closed"))
+            return fut
+        self._cmds.put((fn, args, fut))
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+        return fut
+
+    def send(self, sock: zmq.Socket, msg: m.Message, ident: bytes | None = None) -> None:
+        frame = m.encode(msg, self.config.shared_secret)
+        try:
+            if ident is None:
+                sock.send(frame, zmq.NOBLOCK)
+            else:
+                sock.send_multipart([ident, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # peer gone or queue full: timeouts will catch it
+            log.debug("send %s failed: %s", type(msg).__name__, e)
+
+    def decode(self, frame: bytes) -> m.Message | None:
+        try:
+            return m.decode(frame, self.config.shared_secret)
+        except m.MessageError as e:
+            self.dropped[e.kind] = self.dropped.get(e.kind, 0) + 1
+            log.warning("%s: dropped control frame (%s)", self.name, e)
+            return None
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                events = dict(self.poller.poll(TICK_S * 1000))
+            except zmq.ZMQError:
+                if self._stop:
+                    break
+                raise
+            if self._wake_r in events:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            while True:
+                try:
+                    fn, args, fut = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    fut.set_result(fn(*args))
+                except Exception as e:
+                    fut.set_exception(e)
+            for sock, ev in events.items():
+                if isinstance(sock, zmq.Socket) and ev & zmq.POLLIN:
+                    self._drain(sock)
+            try:
+                self.on_tick(time.monotonic())
+            except Exception:
+                log.exception("%s: tick failed", self.name)
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        for _ in range(1000):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self.on_frames(sock, frames)
+            except Exception:  # one bad message never stops the loop
+                log.exception("%s: handling a control frame failed", self.name)
+
+    # ---- rooms -------------------------------------------------------------------------------
+    def advance(self, r: Room, status: RoomStatus, reason: str = "") -> bool:
+        with self.cond:
+            changed = r.advance(status, reason)
+            if changed:
+                self.cond.notify_all()
+        if changed and status.ended:
+            self.transfer_stats.room_ended(r.room, status == RoomStatus.Success, r.reason)
+            if status == RoomStatus.Failed:
+                log.info("%s: room %d failed: %s", self.name, r.room, r.reason)
+        return changed
+
+    def release(self, r: Room) -> None:
+        """Call the room's release callback (once) and turn the room into a tombstone."""
+        if r.data.get("released") or not r.status.ended:
+            return
+        r.data["released"] = True
+        cb = r.data.get("on_release")
+        if cb is not None:
+            try:
+                cb(r.room, r.status)
+            except Exception:
+                log.exception("%s: on_release of room %d raised", self.name, r.room)
+        with self.cond:  # waiters wake only now: the release callback has run
+            self.rooms.bury(r.room)
+            self.cond.notify_all()
+
+    def poll(self, room: int) -> RoomStatus:
+        with self.cond:
+            st = self.rooms.status(room)
+        if st is None:
+            raise KeyError(f"unknown room {room}")
+        return st[0]
+
+    def failure_reason(self, room: int) -> str:
+        with self.cond:
+            st = self.rooms.status(room)
+        return st[1] if st else ""
+
+    def wait(self, room: int, timeout: float | None = None) -> RoomStatus:
+        """Block until the room has ended and its release callback has run (or ``timeout``).
+
+        Returns the room's status at that point (not ended when the timeout hit first).
+        """
+        end = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            while True:
+                st = self.rooms.status(room)
+                if st is None:
+                    raise KeyError(f"unknown room {room}")
+                if st[0].ended and room not in self.rooms.live:
+                    return st[0]
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return st[0]
+                self.cond.wait(min(left, 0.5) if left is not None else 0.5)
+
+    def stats(self) -> dict:
+        """Totals (bytes, seconds, GB/s, failures by reason), live rooms, dropped frames."""
+        snap = self.transfer_stats.snapshot()
+        snap["live_rooms"] = len(self.rooms)
+        snap["dropped_frames"] = dict(self.dropped)
+        return snap
+
+    def stats_for(self, room: int) -> dict | None:
+        """Per-room detail: bytes, seconds, and one record per layer group (sender side)."""
+        return self.transfer_stats.get_room(room)
+
+    def close(self) -> None:
+        if self._stop:
+            return
+        self._stop = True
+        os.write(self._wake_w, b"x")
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+        self.ctx.destroy(linger=0)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # ---- for subclasses ----------------------------------------------------------------------
+    def on_frames(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+        raise NotImplementedError
+
+    def on_tick(self, now: float) -> None:
+        pass

@@ -1,0 +1,202 @@
+"""The one wrapper around Mooncake's ``TransferEngine`` (P2P handshake, no metadata server).
+
+Setup errors raise :class:`EngineError`; transfers report a status (True/False) to a callback.
+Writes go through worker threads: :meth:`Engine.submit` returns at once, a worker submits
+``batch_transfer_async_write`` chunks (<= ``max_batch_entries`` copies) and waits for them with
+``get_batch_transfer_status`` (a blocking call that releases the GIL), keeping at most
+``max_inflight_entries`` copies in flight per engine.
+
+Measured with mooncake-transfer-engine(-non-cuda) 0.3.13 over loopback TCP:
+* ``get_batch_transfer_status([id])`` busy-waits until the batch ends and frees the id; ids are
+  recycled, so each id is waited on exactly once. ``transfer_submit_write`` /
+  ``transfer_check_status`` poll without blocking but carry one copy per id.
+* More than ~2048 queued copies overflow the TCP lane queue ("queue-full rejection"): that batch
+  fails AND every later write to that peer fails too (seen for 10 s+). Hence the caps.
+* A write to an unregistered remote address fails (-1) without harming later writes.
+* Throughput is the same for sync and async batches of the same size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from .config import TransferConfig
+from .layout import Transfer
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "Mooncake is not installed: `pip install mooncake-transfer-engine-non-cuda` on CPU hosts "
+    "(`mooncake-transfer-engine` with CUDA 12), plus the system package libibverbs1 "
+    "(`apt-get install -y libibverbs1`)."
+)
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+def _load_transfer_engine():
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as e:
+        raise EngineError(f"{INSTALL_HINT} ({e})") from e
+    return TransferEngine
+
+
+DoneCallback = Callable[[bool], None]
+
+
+class _Job:
+    """One submit(): its batches, and whether all were handed to Mooncake yet."""
+
+    __slots__ = ("session", "transfers", "callback", "pending", "ok", "submitted", "reported")
+
+    def __init__(self, session: str, transfers: list[Transfer], callback: DoneCallback):
+        self.session, self.transfers, self.callback = session, transfers, callback
+        self.pending = 0  # batches submitted and not yet reaped
+        self.ok = True
+        self.submitted = False  # no more batches of this job will be submitted
+        self.reported = False  # callback ran
+
+    def maybe_report(self) -> None:
+        # A job may span several batches; reaping its first batch before the next one is
+        # submitted must not report it done, hence the `submitted` flag.
+        if self.submitted and self.pending == 0 and not self.reported:
+            self.reported = True
+            try:
+                self.callback(self.ok)
+            except Exception:  # a callback bug must not kill the worker
+                log.exception("transfer callback failed")
+
+
+class Engine:
+    def __init__(self, config: TransferConfig):
+        self.config = config
+        if config.protocol == "tcp":
+            os.environ.setdefault("MC_FORCE_TCP", "1")  # else RDMA NICs win over "tcp"
+        cls = _load_transfer_engine()
+        self._te = cls()
+        rc = self._te.initialize(config.host, "P2PHANDSHAKE", config.protocol, config.rdma_device)
+        if rc != 0:
+            raise EngineError(
+                f"Mooncake initialize({config.host!r}, P2PHANDSHAKE, {config.protocol!r},"
+                f" {config.rdma_device!r}) returned {rc}; check host and RDMA device"
+            )
+        self.session_id = f"{config.host}:{self._te.get_rpc_port()}"
+        self._regions: dict[int, int] = {}
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._per_worker = config.max_inflight_entries // config.num_workers
+        self._closed = False
+        self._workers = [
+            threading.Thread(target=self._work, name=f"kv-transfer-{i}", daemon=True)
+            for i in range(config.num_workers)
+        ]
+        for w in self._workers:
+            w.start()
+
+    # ---- memory ------------------------------------------------------------------------------
+    def register(self, addr: int, length: int) -> None:
+        """Register a buffer once (a second call for the same region is a no-op)."""
+        if self._regions.get(addr) == length:
+            return
+        if addr in self._regions:
+            raise EngineError(f"region at {addr:#x} already registered with another length")
+        rc = self._te.register_memory(addr, length)
+        if rc != 0:
+            raise EngineError(f"Mooncake register_memory({addr:#x}, {length}) returned {rc}")
+        self._regions[addr] = length
+
+    # ---- transfers ---------------------------------------------------------------------------
+    def write_sync(self, session: str, transfers: Sequence[Transfer]) -> bool:
+        """Blocking write (chunked batches) — for tools and benchmarks, not the serving path."""
+        step = self.config.max_batch_entries
+        for i in range(0, len(transfers), step):
+            chunk = transfers[i : i + step]
+            rc = self._te.batch_transfer_sync_write(
+                session, [t.src for t in chunk], [t.dst for t in chunk], [t.length for t in chunk]
+            )
+            if rc != 0:
+                return False
+        return True
+
+    def submit(self, session: str, transfers: list[Transfer], callback: DoneCallback) -> None:
+        """Queue writes; ``callback(ok)`` runs once, on a worker thread, when all have ended."""
+        if self._closed:
+            raise EngineError("engine is closed")
+        if not transfers:
+            callback(True)
+            return
+        self._queue.put(_Job(session, transfers, callback))
+
+    def _work(self) -> None:
+        inflight: deque[tuple[int, int, _Job]] = deque()  # (batch_id, entries, job)
+        load = 0
+        step = self.config.max_batch_entries
+        while True:
+            if inflight:
+                job = self._get_nowait()
+            elif self._closed and self._queue.empty():
+                return
+            else:
+                try:
+                    job = self._queue.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+            if job is not None:
+                for i in range(0, len(job.transfers), step):
+                    chunk = job.transfers[i : i + step]
+                    while inflight and load + len(chunk) > self._per_worker:
+                        load -= self._reap(inflight)
+                    if not job.ok:  # an earlier chunk failed: don't send the rest
+                        break
+                    bid = self._te.batch_transfer_async_write(
+                        job.session,
+                        [t.src for t in chunk],
+                        [t.dst for t in chunk],
+                        [t.length for t in chunk],
+                    )
+                    if not bid or bid < 0:
+                        log.warning("batch submit to %s failed (%s)", job.session, bid)
+                        job.ok = False
+                        break
+                    job.pending += 1
+                    inflight.append((bid, len(chunk), job))
+                    load += len(chunk)
+                job.submitted = True
+                job.maybe_report()
+            elif inflight:
+                load -= self._reap(inflight)
+
+    def _get_nowait(self) -> _Job | None:
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _reap(self, inflight: deque) -> int:
+        bid, n, job = inflight.popleft()
+        rc = self._te.get_batch_transfer_status([bid])  # blocks, GIL released
+        if rc != 0:
+            log.warning("batch to %s failed (status %s)", job.session, rc)
+            job.ok = False
+        job.pending -= 1
+        job.maybe_report()
+        return n
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._workers:
+            self._queue.put(None)
+        for w in self._workers:
+            w.join(timeout=5)
+        for addr in list(self._regions):
+            self._te.unregister_memory(addr)
+        self._regions.clear()

@@ -1,0 +1,139 @@
+"""Control-plane wire messages: typed msgspec structs in a versioned, optionally signed envelope.
+
+Every ZMQ frame is one msgpack ``Envelope``: ``{v: PROTOCOL_VERSION, p: payload, mac: hmac|None}``
+where ``payload`` is the msgpack of one message of the tagged union :data:`Message`. With a
+shared secret, ``mac`` is HMAC-SHA256(secret, payload), checked with ``hmac.compare_digest``.
+No Python-object serialization, no positional frames.
+
+Version history:
+  1 — Register / Ack / Complete / Fail / Abort / Ping / Pong; per-entry layout signatures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+Scalar = int | float | str
+ExtraValue = int | float | str | list[Scalar]
+
+
+class EntrySpec(msgspec.Struct, frozen=True):
+    """Decode's destination for one pool entry: layout signature + where its pages live."""
+
+    role: str
+    signature: dict[str, int | str]
+    pages: list[int]  # destination page ids, position i receives prefill's i-th page
+    base_addr: int  # decode's buffer address of this entry
+    num_pages: int  # pages in decode's pool for this entry
+
+
+class Register(msgspec.Struct, tag="register", frozen=True):
+    """decode -> prefill: "room R's KV goes to these pages of engine session S"."""
+
+    room: int
+    session_id: str  # decode's Mooncake session "host:rpc_port"
+    entries: list[EntrySpec]
+    num_tokens: int
+
+
+class Ack(msgspec.Struct, tag="ack", frozen=True):
+    """prefill -> decode: this prefill instance claims the room; carries its layouts."""
+
+    room: int
+    signatures: dict[str, dict[str, int | str]] = {}
+
+
+class Complete(msgspec.Struct, tag="complete", frozen=True):
+    """prefill -> decode: every KV write of the room landed; aux data attached."""
+
+    room: int
+    first_token: int
+    extra: dict[str, ExtraValue] = {}
+
+
+class Fail(msgspec.Struct, tag="fail", frozen=True):
+    """prefill -> decode: the room failed on prefill's side."""
+
+    room: int
+    reason: str
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True):
+    """decode -> prefill: give the room up (client cancel, decode-side timeout)."""
+
+    room: int
+    reason: str
+
+
+class Ping(msgspec.Struct, tag="ping", frozen=True):
+    seq: int
+
+
+class Pong(msgspec.Struct, tag="pong", frozen=True):
+    seq: int
+
+
+Message = Register | Ack | Complete | Fail | Abort | Ping | Pong
+
+
+class Envelope(msgspec.Struct, frozen=True):
+    v: int
+    p: bytes
+    mac: bytes | None = None
+
+
+class MessageError(ValueError):
+    """A frame that must be dropped; ``kind`` is one of garbage / version / auth."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+
+
+_env_enc = msgspec.msgpack.Encoder()
+_env_dec = msgspec.msgpack.Decoder(Envelope)
+_msg_dec = msgspec.msgpack.Decoder(Message)
+
+
+def _mac(secret: bytes, payload: bytes) -> bytes:
+    return hmac.new(secret, payload, hashlib.sha256).digest()
+
+
+def encode(msg: Message, secret: bytes | None = None) -> bytes:
+    payload = _env_enc.encode(msg)
+    mac = _mac(secret, payload) if secret else None
+    return _env_enc.encode(Envelope(PROTOCOL_VERSION, payload, mac))
+
+
+def decode(frame: bytes, secret: bytes | None = None) -> Message:
+    """Decode one frame or raise :class:`MessageError` (the caller logs and drops it)."""
+    try:
+        env = _env_dec.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise MessageError("garbage", f"not an envelope ({e})") from None
+    if env.v != PROTOCOL_VERSION:
+        raise MessageError(
+            "version", f"protocol version {env.v} (this side speaks {PROTOCOL_VERSION})"
+        )
+    if secret:
+        if env.mac is None:
+            raise MessageError("auth", "message is not signed but a shared secret is configured")
+        if not hmac.compare_digest(env.mac, _mac(secret, env.p)):
+            raise MessageError("auth", "bad HMAC")
+    try:
+        return _msg_dec.decode(env.p)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise MessageError("garbage", f"bad payload ({e})") from None
+
+
+def try_decode(frame: bytes, secret: bytes | None = None) -> Message | None:
+    """Like :func:`decode` but returns None for any frame that must be dropped."""
+    try:
+        return decode(frame, secret)
+    except MessageError:
+        return None

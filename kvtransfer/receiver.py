@@ -1,0 +1,237 @@
+"""Decode side: registers destination pages with prefill and waits for the room's completion.
+
+``register`` sends the same Register to every given prefill bootstrap address; the instance
+that runs the request claims it (Ack, with its layouts, which decode checks too). Prefill then
+writes straight into decode's registered buffers and finally sends Complete with the aux data.
+Failure detection: no claim within ``bootstrap_timeout_s``; no completion within
+``transfer_timeout_s`` after the claim; the claiming peer silent for ``heartbeat_timeout_s``
+(pings every ``heartbeat_interval_s``); or a Fail from prefill. ``on_release`` runs exactly once.
+
+Caveat: after a decode-side failure, prefill is told to abort, but a write already in flight can
+still land in the room's pages shortly after; a caller that reuses those pages at once accepts
+that (the same holds for every RDMA-write design without fencing).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+import zmq
+
+from . import messages as m
+from .config import TransferConfig
+from .control import ControlLoop, ReleaseCallback, TransferFailed
+from .engine import Engine
+from .layout import EntryLayout, check_compatible
+from .state import Room, RoomStatus
+
+log = logging.getLogger(__name__)
+
+
+class _Peer:
+    __slots__ = ("addr", "sock", "last_rx", "last_ping", "seq")
+
+    def __init__(self, addr: str, sock: zmq.Socket):
+        self.addr, self.sock = addr, sock
+        self.last_rx = time.monotonic()
+        self.last_ping = 0.0
+        self.seq = 0
+
+
+class KVReceiver(ControlLoop):
+    name = "kv-receiver"
+
+    def __init__(self, config: TransferConfig, layouts: dict[str, EntryLayout]):
+        super().__init__(config)
+        if not layouts:
+            raise ValueError("KVReceiver needs at least one entry layout")
+        for role, lay in layouts.items():
+            if lay.role != role or not lay.base_addr:
+                raise ValueError(f"layout {role!r}: role must match the key and base_addr be set")
+        self.layouts = dict(layouts)
+        self.engine = Engine(config)
+        for lay in self.layouts.values():
+            self.engine.register(lay.base_addr, lay.nbytes)
+        self.session_id = self.engine.session_id
+        self._peers: dict[str, _Peer] = {}
+        self._by_sock: dict[zmq.Socket, _Peer] = {}
+        # room -> (first_token, extra), the last `tombstones` successes
+        self._results: OrderedDict[int, tuple[int, dict]] = OrderedDict()
+        self.start()
+
+    # ---- public API (any thread) -------------------------------------------------------------
+    def register(
+        self,
+        room: int,
+        bootstrap_addrs: list[str],
+        dst_pages: dict[str, list[int]],
+        num_tokens: int,
+        on_release: ReleaseCallback,
+    ) -> None:
+        if not bootstrap_addrs:
+            raise ValueError(f"room {room}: no prefill bootstrap address")
+        for a in bootstrap_addrs:
+            host, _, port = a.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"bootstrap address {a!r} is not host:port")
+        entries = []
+        for role, pages in dst_pages.items():
+            lay = self.layouts.get(role)
+            if lay is None:
+                raise ValueError(
+                    f"room {room}: no local entry {role!r} (have {list(self.layouts)})"
+                )
+            bad = [p for p in pages if not 0 <= p < lay.num_pages]
+            if bad:
+                raise ValueError(f"room {room}: {role} pages {bad[:4]} outside the pool")
+            entries.append(
+                m.EntrySpec(role, lay.signature(), list(pages), lay.base_addr, lay.num_pages)
+            )
+        reg = m.Register(room, self.session_id, entries, int(num_tokens))
+        self.call(self._register, reg, list(bootstrap_addrs), on_release).result()
+
+    def result(self, room: int) -> tuple[int, dict]:
+        """(first_token, extra) of a room that ended Success; raises TransferFailed otherwise."""
+        with self.cond:
+            r = self.rooms.get(room)
+            aux = self._results.get(room)
+        if aux is not None:
+            return aux
+        raise TransferFailed(
+            room, self.failure_reason(room) or f"not finished ({r and r.status.name})"
+        )
+
+    def abort(self, room: int, reason: str) -> None:
+        """Give the room up here and tell prefill (best effort)."""
+        self.call(self._fail, room, f"aborted by decode: {reason}", reason)
+
+    def forget(self, room: int) -> None:
+        """Drop a finished room's aux data early (the last ``tombstones`` rooms' are kept)."""
+        with self.cond:
+            self._results.pop(room, None)
+
+    def close(self) -> None:
+        super().close()
+        self.engine.close()
+
+    # ---- loop thread -------------------------------------------------------------------------
+    def _peer(self, addr: str) -> _Peer:
+        p = self._peers.get(addr)
+        if p is None:
+            sock = self.socket(zmq.DEALER)
+            sock.connect(f"tcp://{addr}")
+            p = self._peers[addr] = _Peer(addr, sock)
+            self._by_sock[sock] = p
+        return p
+
+    def _register(self, reg: m.Register, addrs: list[str], on_release) -> None:
+        r = self.rooms.create(reg.room, deadline=time.monotonic() + self.config.bootstrap_timeout_s)
+        roles = [e.role for e in reg.entries]
+        r.data.update(
+            on_release=on_release,
+            addrs=addrs,
+            claimed_by=None,
+            roles=roles,
+            num_tokens=reg.num_tokens,
+        )
+        for a in addrs:
+            self.send(self._peer(a).sock, reg)
+
+    def _fail(self, room: int, reason: str, abort_reason: str | None = None) -> None:
+        r = self.rooms.get(room)
+        if r is None or not self.advance(r, RoomStatus.Failed, reason):
+            return
+        if abort_reason is not None:  # tell prefill to stop writing
+            targets = [r.data["claimed_by"]] if r.data["claimed_by"] else r.data["addrs"]
+            for a in targets:
+                self.send(self._peer(a).sock, m.Abort(room, abort_reason))
+        self.release(r)
+
+    def on_frames(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+        peer = self._by_sock.get(sock)
+        if peer is None or len(frames) != 1:
+            self.dropped["garbage"] = self.dropped.get("garbage", 0) + 1
+            return
+        msg = self.decode(frames[0])
+        if msg is None:
+            return
+        peer.last_rx = time.monotonic()
+        if isinstance(msg, m.Pong):
+            return
+        room = getattr(msg, "room", None)
+        r = self.rooms.get(room) if room is not None else None
+        if r is None or r.status.ended or peer.addr not in r.data["addrs"]:
+            return  # late/duplicate message for an ended or unknown room
+        claimed = r.data["claimed_by"]
+        if isinstance(msg, m.Ack):
+            if claimed is None:
+                self._on_ack(r, peer, msg)
+        elif isinstance(msg, m.Fail):
+            if claimed in (None, peer.addr):
+                self._fail(r.room, f"prefill {peer.addr}: {msg.reason}")
+        elif isinstance(msg, m.Complete):
+            if claimed == peer.addr:
+                with self.cond:
+                    self._results[r.room] = (msg.first_token, dict(msg.extra))
+                    while len(self._results) > self.config.tombstones:
+                        self._results.popitem(last=False)
+                self.transfer_stats.group_done(r.data["stat"], True)
+                self.advance(r, RoomStatus.Success)
+                self.release(r)
+        else:
+            log.warning("kv-receiver: unexpected %s dropped", type(msg).__name__)
+
+    def _on_ack(self, r: Room, peer: _Peer, ack: m.Ack) -> None:
+        r.data["claimed_by"] = peer.addr
+        for role in r.data["roles"]:
+            sig = ack.signatures.get(role)
+            lay = self.layouts[role]
+            err = f"prefill has no {role} entry" if sig is None else check_compatible(lay, sig)
+            if err:
+                self._fail(r.room, f"incompatible layout: {err}", f"incompatible layout: {err}")
+                return
+        self.advance(r, RoomStatus.WaitingForInput)
+        r.deadline = time.monotonic() + self.config.transfer_timeout_s
+        nbytes = 0  # what prefill will write: the prompt's pages of every entry
+        for role in r.data["roles"]:
+            lay = self.layouts[role]
+            pages = -(-r.data["num_tokens"] // lay.page_size)
+            nbytes += pages * lay.page_bytes * lay.components * lay.num_layers
+        layers = range(0, max(self.layouts[x].num_layers for x in r.data["roles"]))
+        r.data["stat"] = self.transfer_stats.group_submitted(r.room, "all", layers, nbytes, 0)
+
+    def on_tick(self, now: float) -> None:
+        cfg = self.config
+        active: set[str] = set()
+        for r in list(self.rooms.live.values()):
+            if r.status.ended:
+                continue
+            claimed = r.data["claimed_by"]
+            if now > r.deadline:
+                if claimed is None:
+                    t = cfg.bootstrap_timeout_s
+                    why = f"bootstrap timeout: no prefill claimed the room in {t:g}s"
+                    self._fail(
+                        r.room, f"{why} (asked {', '.join(r.data['addrs'])})", "bootstrap timeout"
+                    )
+                else:
+                    why = f"transfer timeout: no completion {cfg.transfer_timeout_s:g}s after claim"
+                    self._fail(r.room, why, "decode transfer timeout")
+                continue
+            if claimed is not None:
+                peer = self._peers[claimed]
+                if now - peer.last_rx > cfg.heartbeat_timeout_s:
+                    self._fail(
+                        r.room,
+                        f"prefill peer lost: {claimed} silent for {now - peer.last_rx:.1f}s",
+                        "peer lost",
+                    )
+                    continue
+                active.add(claimed)
+        for addr in active:
+            p = self._peers[addr]
+            if now - p.last_ping >= cfg.heartbeat_interval_s:
+                p.last_ping, p.seq = now, p.seq + 1
+                self.send(p.sock, m.Ping(p.seq))

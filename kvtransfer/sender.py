@@ -1,0 +1,286 @@
+"""Prefill side: claims rooms registered by decode and streams KV layer group by layer group.
+
+Flow of one room::
+
+    decode  --Register(room, session, entries)-->  bootstrap ROUTER (kept until start_room)
+    prefill start_room(room)          -> claims: checks every entry's layout, --Ack-->
+    prefill send_group(room, role, L) -> writes those layers' pages (queued until registered)
+    prefill finish(room, first_token) -> --Complete--> once every queued write has landed
+    any failure                        -> --Fail(reason)--> and the room is Failed
+
+``on_release(room, status)`` runs exactly once, when the room has ended AND no write reading
+its pages is still in flight, so the caller may then free the pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+import msgspec
+import zmq
+
+from . import messages as m
+from .config import TransferConfig
+from .control import ControlLoop, ReleaseCallback
+from .engine import Engine
+from .layout import EntryLayout, check_compatible, group_transfers
+from .state import Room, RoomStatus
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING_REGISTRATIONS = 4096
+
+
+class KVSender(ControlLoop):
+    name = "kv-sender"
+
+    def __init__(self, config: TransferConfig, layouts: dict[str, EntryLayout]):
+        super().__init__(config)
+        if not layouts:
+            raise ValueError("KVSender needs at least one entry layout")
+        for role, lay in layouts.items():
+            if lay.role != role or not lay.base_addr:
+                raise ValueError(f"layout {role!r}: role must match the key and base_addr be set")
+        self.layouts = dict(layouts)
+        self.engine = Engine(config)
+        for lay in self.layouts.values():
+            self.engine.register(lay.base_addr, lay.nbytes)
+        self.router = self.socket(zmq.ROUTER)
+        if config.bootstrap_port:
+            self.router.bind(f"tcp://{config.host}:{config.bootstrap_port}")
+            port = config.bootstrap_port
+        else:
+            port = self.router.bind_to_random_port(f"tcp://{config.host}")
+        self.bootstrap_addr = f"{config.host}:{port}"
+        self._pending: dict[int, tuple[bytes, m.Register, float]] = {}  # unclaimed registrations
+        self._aborted: OrderedDict[int, str] = OrderedDict()  # aborted before start_room
+        self.start()
+
+    # ---- public API (any thread) -------------------------------------------------------------
+    def start_room(
+        self, room: int, src_pages: dict[str, list[int]], on_release: ReleaseCallback
+    ) -> None:
+        """Prefill took the request: claim the room (now, or when decode's Register arrives)."""
+        for role, pages in src_pages.items():
+            if role not in self.layouts:
+                raise ValueError(
+                    f"room {room}: no local entry {role!r} (have {list(self.layouts)})"
+                )
+            bad = [p for p in pages if not 0 <= p < self.layouts[role].num_pages]
+            if bad:
+                raise ValueError(f"room {room}: {role} pages {bad[:4]} outside the pool")
+        pages = {r: list(p) for r, p in src_pages.items()}
+        self.call(self._start, room, pages, on_release).result()
+
+    def send_group(self, room: int, role: str, layers: range) -> None:
+        """Queue the writes of ``layers`` of entry ``role`` (non-blocking)."""
+        lay = self.layouts.get(role)
+        if lay is None:
+            raise ValueError(f"no local entry {role!r}")
+        if not (0 <= layers.start < layers.stop <= lay.num_layers and layers.step == 1):
+            raise ValueError(f"layers {layers} outside [0, {lay.num_layers}) of entry {role}")
+        self.call(self._send_group, room, role, layers)
+
+    def finish(self, room: int, first_token: int, extra: dict | None = None) -> None:
+        """Send Complete with the aux data once all queued writes of the room have landed."""
+        try:
+            extra = msgspec.convert(dict(extra or {}), dict[str, m.ExtraValue])
+        except msgspec.ValidationError as e:
+            raise ValueError(f"room {room}: extra must map str to int/float/str/list ({e})") from e
+        self.call(self._finish, room, int(first_token), extra)
+
+    def abort(self, room: int, reason: str) -> None:
+        self.call(self._fail, room, f"aborted by prefill: {reason}", True)
+
+    def stats(self) -> dict:
+        snap = super().stats()
+        snap["pending_registrations"] = len(self._pending)
+        return snap
+
+    def close(self) -> None:
+        super().close()
+        self.engine.close()
+
+    # ---- loop thread -------------------------------------------------------------------------
+    def _start(self, room: int, src_pages: dict[str, list[int]], on_release) -> None:
+        r = self.rooms.create(room, deadline=time.monotonic() + self.config.bootstrap_timeout_s)
+        r.data.update(
+            src_pages=src_pages, on_release=on_release, queued=[], outstanding=0, finish=None
+        )
+        self.transfer_stats.room(room)
+        aborted = self._aborted.pop(room, None)
+        pending = self._pending.pop(room, None)
+        if aborted is not None:
+            self._fail(room, f"aborted by decode: {aborted}", False)
+        elif pending is not None:
+            self._claim(r, *pending[:2])
+
+    def _claim(self, r: Room, ident: bytes, reg: m.Register) -> None:
+        dst: dict[str, EntryLayout] = {}
+        err = None
+        for entry in reg.entries:
+            local = self.layouts.get(entry.role)
+            if local is None:
+                err = f"decode registered entry {entry.role!r} that prefill does not have"
+                break
+            err = check_compatible(local, entry.signature)
+            if err:
+                break
+            try:
+                dst[entry.role] = EntryLayout(
+                    **entry.signature, num_pages=entry.num_pages, base_addr=entry.base_addr
+                )
+            except (TypeError, ValueError) as e:
+                err = f"entry {entry.role}: bad layout ({e})"
+                break
+            need = len(r.data["src_pages"].get(entry.role, ()))
+            if len(entry.pages) < need:
+                err = (
+                    f"entry {entry.role}: decode gave {len(entry.pages)} pages, prefill has {need}"
+                )
+                break
+        missing = [role for role in r.data["src_pages"] if role not in dst]
+        if err is None and missing:
+            err = f"decode did not register entry {missing[0]!r}"
+        r.data.update(ident=ident, reg=reg, dst=dst)
+        if err is not None:
+            self._fail(r.room, f"incompatible layout: {err}", True)
+            return
+        self.send(
+            self.router, m.Ack(r.room, {k: v.signature() for k, v in self.layouts.items()}), ident
+        )
+        self.advance(r, RoomStatus.WaitingForInput)
+        r.deadline = time.monotonic() + self.config.transfer_timeout_s
+        for role, layers in r.data.pop("queued"):
+            self._launch(r, role, layers)
+        r.data["queued"] = []
+        self._maybe_complete(r)
+
+    def _send_group(self, room: int, role: str, layers: range) -> None:
+        r = self.rooms.get(room)
+        if r is None and not self.rooms.ended(room):
+            log.warning("kv-sender: send_group for unknown room %d ignored", room)
+        if r is None or r.status.ended:
+            return  # the room already ended; its release callback has run / will run
+        if role not in r.data["src_pages"]:
+            self._fail(room, f"send_group for entry {role!r} the room has no pages in", True)
+        elif "reg" not in r.data:
+            r.data["queued"].append((role, layers))
+        else:
+            self._launch(r, role, layers)
+
+    def _launch(self, r: Room, role: str, layers: range) -> None:
+        src = r.data["src_pages"][role]
+        entry = next(e for e in r.data["reg"].entries if e.role == role)
+        try:
+            transfers = group_transfers(
+                self.layouts[role], r.data["dst"][role], src, entry.pages[: len(src)], layers
+            )
+        except (ValueError, IndexError) as e:
+            self._fail(r.room, f"bad page table: {e}", True)
+            return
+        g = self.transfer_stats.group_submitted(
+            r.room, role, layers, sum(t.length for t in transfers), len(transfers)
+        )
+        r.data["outstanding"] += 1
+        self.advance(r, RoomStatus.Transferring)
+
+        def done(ok: bool, room=r.room, g=g) -> None:  # on a transfer worker
+            self.transfer_stats.group_done(g, ok)
+            self.call(self._group_done, room, role, layers, ok)
+
+        self.engine.submit(r.data["reg"].session_id, transfers, done)
+
+    def _group_done(self, room: int, role: str, layers: range, ok: bool) -> None:
+        r = self.rooms.get(room)
+        if r is None:
+            return
+        r.data["outstanding"] -= 1
+        if not ok:
+            where = f"{role} layers {layers.start}-{layers.stop - 1}"
+            self._fail(room, f"transfer failed: {where} to {r.data['reg'].session_id}", True)
+        if not r.status.ended:
+            self._maybe_complete(r)
+        elif r.data["outstanding"] == 0:
+            self.release(r)
+
+    def _finish(self, room: int, first_token: int, extra: dict) -> None:
+        r = self.rooms.get(room)
+        if r is None or r.status.ended:
+            return
+        r.data["finish"] = (first_token, extra)
+        self._maybe_complete(r)
+
+    def _maybe_complete(self, r: Room) -> None:
+        if r.status.ended or r.data["finish"] is None or "reg" not in r.data:
+            return
+        if r.data["outstanding"] or r.data["queued"]:
+            return
+        first_token, extra = r.data["finish"]
+        self.send(self.router, m.Complete(r.room, first_token, extra), r.data["ident"])
+        self.advance(r, RoomStatus.Success)
+        self.release(r)
+
+    def _fail(self, room: int, reason: str, tell_decode: bool) -> None:
+        r = self.rooms.get(room)
+        if r is None or not self.advance(r, RoomStatus.Failed, reason):
+            return
+        if tell_decode and "ident" in r.data:
+            self.send(self.router, m.Fail(room, reason), r.data["ident"])
+        if r.data["outstanding"] == 0:
+            self.release(r)
+
+    def on_frames(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.dropped["garbage"] = self.dropped.get("garbage", 0) + 1
+            return
+        ident, frame = frames
+        msg = self.decode(frame)
+        if msg is None:
+            return
+        if isinstance(msg, m.Ping):
+            self.send(self.router, m.Pong(msg.seq), ident)
+        elif isinstance(msg, m.Register):
+            self._on_register(ident, msg)
+        elif isinstance(msg, m.Abort):
+            if self._pending.get(msg.room, (None,))[0] == ident:
+                del self._pending[msg.room]
+                self._aborted[msg.room] = msg.reason
+                while len(self._aborted) > MAX_PENDING_REGISTRATIONS:
+                    self._aborted.popitem(last=False)
+            r = self.rooms.get(msg.room)
+            if r is not None and r.data.get("ident") == ident:
+                self._fail(msg.room, f"aborted by decode: {msg.reason}", False)
+        else:
+            log.warning("kv-sender: unexpected %s dropped", type(msg).__name__)
+
+    def _on_register(self, ident: bytes, reg: m.Register) -> None:
+        r = self.rooms.get(reg.room)
+        if r is not None:
+            if "reg" not in r.data and not r.status.ended:
+                self._claim(r, ident, reg)
+            return  # duplicate registration: ignore
+        ended = self.rooms.status(reg.room)
+        if ended is not None:  # late registration for a room prefill already gave up
+            if ended[0] == RoomStatus.Failed:
+                self.send(self.router, m.Fail(reg.room, f"room already ended: {ended[1]}"), ident)
+            return
+        if len(self._pending) >= MAX_PENDING_REGISTRATIONS:
+            log.warning("kv-sender: too many unclaimed registrations; dropping room %d", reg.room)
+            return
+        self._pending[reg.room] = (ident, reg, time.monotonic())
+
+    def on_tick(self, now: float) -> None:
+        ttl = self.config.bootstrap_timeout_s
+        for room in [k for k, v in self._pending.items() if now - v[2] > ttl]:
+            del self._pending[room]  # another prefill instance took it, or nobody did
+        for r in list(self.rooms.live.values()):
+            if r.status.ended or now <= r.deadline:
+                continue
+            if "reg" not in r.data:
+                self._fail(r.room, f"bootstrap timeout: decode did not register in {ttl:g}s", True)
+            else:
+                t = self.config.transfer_timeout_s
+                self._fail(r.room, f"transfer timeout: room not finished {t:g}s after claim", True)

@@ -1,0 +1,115 @@
+"""Address math of kvtransfer.layout checked against numpy's own indexing."""
+
+import numpy as np
+import pytest
+
+from kvtransfer.layout import (
+    EntryLayout,
+    PoolLayout,
+    check_compatible,
+    group_transfers,
+    page_runs,
+    paired_runs,
+)
+
+NP = {"float32": np.float32, "float16": np.float16}
+
+
+def gqa(**kw):
+    base = dict(
+        role="target",
+        attn="gqa",
+        dtype="float16",
+        page_size=4,
+        num_layers=3,
+        num_pages=10,
+        kv_heads=2,
+        head_dim=8,
+    )
+    return EntryLayout(**{**base, **kw})
+
+
+def mla(**kw):
+    base = dict(
+        role="target",
+        attn="mla",
+        dtype="float32",
+        page_size=16,
+        num_layers=2,
+        num_pages=5,
+        kv_heads=1,
+        head_dim=96,
+        kv_lora_rank=64,
+        rope_dim=32,
+    )
+    return EntryLayout(**{**base, **kw})
+
+
+@pytest.mark.parametrize("make", [gqa, mla])
+def test_page_addr_matches_numpy_indexing(make):
+    lay0 = make()
+    buf = np.zeros(lay0.buffer_shape(), NP[lay0.dtype])
+    lay = lay0.with_pool(lay0.num_pages, buf.ctypes.data)
+    assert buf.nbytes == lay.nbytes
+    for layer in range(lay.num_layers):
+        for comp in range(lay.components):
+            for page in (0, 3, lay.num_pages - 1):
+                idx = (layer, comp, page) if lay.attn == "gqa" else (layer, page)
+                assert lay.page_addr(layer, comp, page) == buf[idx].ctypes.data
+                assert buf[idx].nbytes == lay.page_bytes
+
+
+def test_validation_messages():
+    with pytest.raises(ValueError, match="role"):
+        gqa(role="other")
+    with pytest.raises(ValueError, match="page_size"):
+        gqa(page_size=0)
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        mla(rope_dim=16)
+    with pytest.raises(ValueError, match="kv_heads must be 1"):
+        mla(kv_heads=2)
+    with pytest.raises(IndexError):
+        gqa().page_addr(3, 0, 0)
+    with pytest.raises(IndexError):
+        gqa().page_addr(0, 0, 10)
+
+
+def test_runs_coalesce_only_where_both_sides_are_consecutive():
+    assert page_runs([3, 4, 5, 9, 1, 2]) == [(3, 3), (9, 1), (1, 2)]
+    assert paired_runs([0, 1, 2, 7], [5, 6, 9, 10]) == [(0, 5, 2), (2, 9, 1), (7, 10, 1)]
+    with pytest.raises(ValueError, match="length"):
+        paired_runs([1], [1, 2])
+
+
+def test_group_transfers_cover_exactly_the_pages():
+    src = gqa().with_pool(10, 1 << 20)
+    dst = gqa().with_pool(20, 1 << 30)
+    ts = group_transfers(src, dst, [0, 1, 2, 8], [4, 5, 6, 0], range(1, 3))
+    # 2 layers x 2 components x 2 runs
+    assert len(ts) == 8
+    assert sum(t.length for t in ts) == 2 * 2 * 4 * src.page_bytes
+    first = ts[0]
+    assert first.src == src.page_addr(1, 0, 0) and first.dst == dst.page_addr(1, 0, 4)
+    assert first.length == 3 * src.page_bytes
+    with pytest.raises(IndexError):
+        group_transfers(src, dst, [9], [20], range(0, 1))
+
+
+def test_check_compatible_names_the_field():
+    a = gqa()
+    assert check_compatible(a, gqa(num_pages=99, base_addr=5).signature()) is None
+    msg = check_compatible(a, gqa(head_dim=16).signature())
+    assert "head_dim" in msg and "target" in msg
+    assert "page_size" in check_compatible(a, gqa(page_size=16).signature())
+    assert "attn" in check_compatible(a, mla().signature())
+    with pytest.raises(ValueError, match="dtype"):
+        group_transfers(a, gqa(dtype="float32"), [0], [0], range(1))
+
+
+def test_pool_layout_rejects_duplicate_roles():
+    pool = PoolLayout()
+    pool.add(gqa())
+    pool.add(gqa(role="draft", num_layers=1))
+    with pytest.raises(ValueError):
+        pool.add(gqa())
+    assert set(pool.signatures()) == {"target", "draft"}

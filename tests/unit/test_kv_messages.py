@@ -1,0 +1,120 @@
+"""Control messages: round trips, and every kind of bad frame is rejected with a typed error."""
+
+import hashlib
+import hmac
+import pathlib
+import random
+import re
+
+import msgspec
+import pytest
+
+from kvtransfer import messages as m
+
+SECRET = b"s" * 32
+SAMPLES = [
+    m.Register(
+        7,
+        "127.0.0.1:1234",
+        [m.EntrySpec("target", {"attn": "gqa", "page_size": 16}, [3, 1, 2], 1 << 40, 128)],
+        300,
+    ),
+    m.Ack(7, {"target": {"attn": "mla", "num_layers": 61}}),
+    m.Complete(7, 42, {"a": 1, "b": 0.5, "c": "x", "d": [1, 2.0, "y"]}),
+    m.Complete(2**62, 0),
+    m.Fail(7, "incompatible layout: head_dim"),
+    m.Abort(7, "client cancelled"),
+    m.Ping(3),
+    m.Pong(3),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda x: type(x).__name__)
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_round_trip(msg, secret):
+    assert m.decode(m.encode(msg, secret), secret) == msg
+
+
+def test_random_garbage_never_raises_anything_but_message_error():
+    rng = random.Random(0)
+    frames = [bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 200))) for _ in range(500)]
+    frames += [b"", b"\x00", b"\xc1", b"\x93\x01\x02\x03", b"\x80", b"\xa3abc"]
+    for f in frames:
+        with pytest.raises(m.MessageError):
+            m.decode(f, SECRET)
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_every_truncation_is_rejected(secret):
+    frame = m.encode(SAMPLES[0], secret)
+    for n in range(len(frame)):
+        with pytest.raises(m.MessageError):
+            m.decode(frame[:n], secret)
+
+
+def test_unknown_version():
+    enc = msgspec.msgpack.Encoder()
+    payload = enc.encode(m.Ping(1))
+    frame = enc.encode(m.Envelope(m.PROTOCOL_VERSION + 1, payload, None))
+    with pytest.raises(m.MessageError) as e:
+        m.decode(frame)
+    assert e.value.kind == "version"
+
+
+def test_hmac_required_and_checked():
+    msg = m.Abort(1, "x")
+    with pytest.raises(m.MessageError) as e:
+        m.decode(m.encode(msg), SECRET)  # unsigned
+    assert e.value.kind == "auth"
+    with pytest.raises(m.MessageError) as e:
+        m.decode(m.encode(msg, b"t" * 32), SECRET)  # other key
+    assert e.value.kind == "auth"
+    # payload swapped under a valid envelope MAC
+    enc = msgspec.msgpack.Encoder()
+    good = m.encode(msg, SECRET)
+    env = msgspec.msgpack.decode(good, type=m.Envelope)
+    evil = enc.encode(m.Envelope(env.v, enc.encode(m.Abort(2, "x")), env.mac))
+    with pytest.raises(m.MessageError):
+        m.decode(evil, SECRET)
+    mac = hmac.new(SECRET, env.p, hashlib.sha256).digest()
+    assert m.decode(enc.encode(m.Envelope(env.v, env.p, mac)), SECRET) == msg
+
+
+def test_wrong_field_types_and_unknown_tags_are_garbage():
+    enc = msgspec.msgpack.Encoder()
+    for payload in (
+        {"type": "ack", "room": "seven"},
+        {"type": "nope", "room": 1},
+        [1, 2],
+        {"type": "complete", "room": 1, "first_token": 2, "extra": {"k": {"x": 1}}},
+    ):
+        frame = enc.encode(m.Envelope(m.PROTOCOL_VERSION, enc.encode(payload), None))
+        with pytest.raises(m.MessageError) as e:
+            m.decode(frame)
+        assert e.value.kind == "garbage"
+
+
+def test_no_pickle_in_kvtransfer_sources():
+    root = pathlib.Path(__file__).resolve().parents[2] / "kvtransfer"
+    sources = list(root.rglob("*.py"))
+    assert len(sources) >= 8
+    pat = re.compile(r"pickle|recv_pyobj|send_pyobj")
+    bad = [
+        f"{p.name}:{i}"
+        for p in sources
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pat.search(line)
+    ]
+    assert bad == []
+
+
+def test_package_imports_without_torch_triton_or_mooncake():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvtransfer, kvtransfer.sender, kvtransfer.receiver;"
+        "bad = [m for m in ('torch', 'triton', 'tritonclient', 'mooncake') if m in sys.modules];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

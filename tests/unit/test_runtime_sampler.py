@@ -1,0 +1,52 @@
+"""Sampler behaviour: greedy, top-k/top-p filtering, seeded reproducibility; self-draft load."""
+
+from __future__ import annotations
+
+import runtime_models as rm
+import torch
+
+from backends.runner import ModelRunner
+from backends.sampler import SamplingParams, sample
+
+
+def test_greedy_and_top_k_1_pick_argmax():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=1, seed=3)] * 2
+    gens = [p.make_generator() for p in params]
+    assert sample(logits, params, gens) == logits.argmax(-1).tolist()
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.tensor([[5.0, 4.0, -5.0, -5.0, -6.0]])
+    p = SamplingParams(temperature=1.0, top_p=0.5)
+    picks = {sample(logits, [p], [torch.Generator().manual_seed(s)])[0] for s in range(50)}
+    assert picks == {0}
+    p = SamplingParams(temperature=1.0, top_p=0.9)
+    picks = {sample(logits, [p], [torch.Generator().manual_seed(s)])[0] for s in range(50)}
+    assert picks == {0, 1}
+
+
+def test_seeded_sampling_reproducible_and_varied():
+    logits = torch.zeros(1, 1000)
+    draws = []
+    for seed in (1, 1, 2):
+        p = SamplingParams(temperature=0.8, seed=seed)
+        g = p.make_generator()
+        draws.append([sample(logits, [p], [g])[0] for _ in range(5)])
+    assert draws[0] == draws[1] and draws[0] != draws[2]
+
+
+def test_self_draft_is_first_layers_of_target():
+    path = rm.checkpoint("llama")
+    draft = ModelRunner.load(path, num_layers=2)
+    target = ModelRunner.load(path)
+    assert draft.config.num_layers == 2 and len(draft.model.layers) == 2
+    assert torch.equal(draft.model.lm_head, target.model.lm_head)
+    pool = draft.make_pool(4, 4, role="draft")
+    assert pool.layout.num_layers == 2 and pool.layout.role == "draft"
+    prompt = rm.random_prompt(7, seed=0)
+    logits = draft.prefill(pool, prompt, pool.alloc(2))
+    tpool = target.make_pool(4, 4)
+    tlogits = target.prefill(tpool, prompt, tpool.alloc(2), groups=[(0, 2), (2, 4)])
+    assert torch.equal(pool.tensor[:2], tpool.tensor[:2])  # same KV for the shared layers
+    assert not torch.allclose(logits, tlogits)
