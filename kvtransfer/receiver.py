@@ -139,14 +139,23 @@ class KVReceiver(ControlLoop):
         for a in addrs:
             self.send(self._peer(a).sock, reg)
 
-    def _fail(self, room: int, reason: str, abort_reason: str | None = None) -> None:
+    def _fail(
+        self, room: int, reason: str, abort_reason: str | None = None, fence: bool = True
+    ) -> None:
+        """End the room Failed. When decode gives up a room that a prefill claimed, that prefill
+        may still have writes in flight into our pages: the pages are released only when it
+        answers the Abort with Fail (sent once its writes drained), when it goes silent, or after
+        ``transfer_timeout_s`` (write fence)."""
         r = self.rooms.get(room)
         if r is None or not self.advance(r, RoomStatus.Failed, reason):
             return
+        claimed = r.data["claimed_by"]
         if abort_reason is not None:  # tell prefill to stop writing
-            targets = [r.data["claimed_by"]] if r.data["claimed_by"] else r.data["addrs"]
-            for a in targets:
+            for a in [claimed] if claimed else r.data["addrs"]:
                 self.send(self._peer(a).sock, m.Abort(room, abort_reason))
+            if claimed and fence:
+                r.data["fence_until"] = time.monotonic() + self.config.transfer_timeout_s
+                return
         self.release(r)
 
     def on_frames(self, sock: zmq.Socket, frames: list[bytes]) -> None:
@@ -162,9 +171,13 @@ class KVReceiver(ControlLoop):
             return
         room = getattr(msg, "room", None)
         r = self.rooms.get(room) if room is not None else None
-        if r is None or r.status.ended or peer.addr not in r.data["addrs"]:
+        if r is None or peer.addr not in r.data["addrs"]:
             return  # late/duplicate message for an ended or unknown room
         claimed = r.data["claimed_by"]
+        if r.status.ended:
+            if "fence_until" in r.data and isinstance(msg, m.Fail) and claimed == peer.addr:
+                self.release(r)  # prefill's writes into the room drained: pages are ours again
+            return
         if isinstance(msg, m.Ack):
             if claimed is None:
                 self._on_ack(r, peer, msg)
@@ -206,9 +219,13 @@ class KVReceiver(ControlLoop):
         cfg = self.config
         active: set[str] = set()
         for r in list(self.rooms.live.values()):
-            if r.status.ended:
-                continue
             claimed = r.data["claimed_by"]
+            if r.status.ended:  # fenced: waiting for prefill's writes to drain
+                silent = now - self._peers[claimed].last_rx > cfg.heartbeat_timeout_s
+                if "fence_until" in r.data and (silent or now > r.data["fence_until"]):
+                    log.warning("kv-receiver: room %d released without drain notice", r.room)
+                    self.release(r)
+                continue
             if now > r.deadline:
                 if claimed is None:
                     t = cfg.bootstrap_timeout_s
@@ -227,6 +244,7 @@ class KVReceiver(ControlLoop):
                         r.room,
                         f"prefill peer lost: {claimed} silent for {now - peer.last_rx:.1f}s",
                         "peer lost",
+                        fence=False,
                     )
                     continue
                 active.add(claimed)

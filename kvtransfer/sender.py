@@ -204,7 +204,7 @@ class KVSender(ControlLoop):
         if not r.status.ended:
             self._maybe_complete(r)
         elif r.data["outstanding"] == 0:
-            self.release(r)
+            self._drained(r)
 
     def _finish(self, room: int, first_token: int, extra: dict) -> None:
         r = self.rooms.get(room)
@@ -227,10 +227,16 @@ class KVSender(ControlLoop):
         r = self.rooms.get(room)
         if r is None or not self.advance(r, RoomStatus.Failed, reason):
             return
-        if tell_decode and "ident" in r.data:
-            self.send(self.router, m.Fail(room, reason), r.data["ident"])
+        r.data["tell"] = tell_decode
         if r.data["outstanding"] == 0:
-            self.release(r)
+            self._drained(r)
+
+    def _drained(self, r: Room) -> None:
+        """A failed room has no write in flight any more: only now may decode reuse its pages,
+        so the Fail goes out here (never earlier), then this side's pages are released."""
+        if r.data.get("tell") and "ident" in r.data:
+            self.send(self.router, m.Fail(r.room, r.reason), r.data["ident"])
+        self.release(r)
 
     def on_frames(self, sock: zmq.Socket, frames: list[bytes]) -> None:
         if len(frames) != 2:
@@ -251,8 +257,12 @@ class KVSender(ControlLoop):
                 while len(self._aborted) > MAX_PENDING_REGISTRATIONS:
                     self._aborted.popitem(last=False)
             r = self.rooms.get(msg.room)
-            if r is not None and r.data.get("ident") == ident:
-                self._fail(msg.room, f"aborted by decode: {msg.reason}", False)
+            if r is not None and r.data.get("ident") == ident and not r.status.ended:
+                # decode holds its pages until our Fail says no write is in flight any more
+                self._fail(msg.room, f"aborted by decode: {msg.reason}", True)
+            elif r is None or r.status.ended and r.data.get("released"):
+                # nothing of ours writes into that room: decode may reuse its pages now
+                self.send(self.router, m.Fail(msg.room, f"room not active: {msg.reason}"), ident)
         else:
             log.warning("kv-sender: unexpected %s dropped", type(msg).__name__)
 

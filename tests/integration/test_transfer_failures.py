@@ -2,6 +2,7 @@
 processes keep serving another room, and every page is freed exactly once on both sides."""
 
 import os
+import signal
 import time
 
 import msgspec
@@ -82,13 +83,25 @@ def test_decode_aborts_mid_transfer(spawn):
     free0 = (prefill.free_counts(), decode.free_counts())
     start(prefill, decode, 1, layer_sleep=0.4, watch=True)
     wait_landed(decode, 1, 1)
+    # freeze prefill for a moment: decode must not take its pages back while prefill (which may
+    # have writes in flight into them) has not yet answered the Abort (write fence)
+    os.kill(prefill.proc.pid, signal.SIGSTOP)
     decode.abort(1, "client cancelled")
+    time.sleep(1.0)
+    assert decode.released_counts().get("1") is None
+    t_resume = time.time()
+    os.kill(prefill.proc.pid, signal.SIGCONT)
     status, reason = decode.wait(1, 10)
     assert status == "Failed" and "client cancelled" in reason
     status, reason = prefill.wait(1, 10)
     assert status == "Failed" and reason.startswith("aborted by decode"), reason
     time.sleep(2.0)  # prefill's compute stub runs on and calls send_group/finish: ignored
     assert prefill.status(1) == "Failed"
+    # write fence: decode reuses the room's pages only after every write prefill had in flight
+    # into them finished (else a later request's KV could be overwritten)
+    st = prefill.room_stats(1)
+    assert st["groups"] and all(g["done"] is not None for g in st["groups"])
+    assert decode.release_at(1) >= max([t_resume, st["ended"]] + [g["done"] for g in st["groups"]])
     serve_ok(prefill, decode, 2)
     assert (prefill.free_counts(), decode.free_counts()) == free0
     assert prefill.released_counts() == {"1": 1, "2": 1}
