@@ -1,0 +1,85 @@
+"""Triton adapter of the decode stage (core: backends.stage_decode.DecodeWorker).
+
+Decoupled: ``execute`` only parses and submits; the worker's loop thread answers through each
+request's response sender (one response per step when streaming, one at the end otherwise).
+"""
+
+# ruff: noqa: E402
+import os
+import sys
+
+# The python backend stub runs Python isolated (PYTHONPATH ignored): take it over by hand so the
+# project and its virtual environment import (scripts/serve.sh sets PYTHONPATH).
+sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p not in sys.path]
+
+import numpy as np
+import triton_python_backend_utils as pb
+
+from backends import triton_glue as g
+from backends.sampler import SamplingParams
+from backends.stage_decode import DecodeEvent, DecodeRequest, DecodeWorker
+from backends.stage_params import from_triton_config
+
+FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _emitter(sender, room: int, cancel_addr: str):
+    def emit(ev: DecodeEvent) -> None:
+        if ev.error:
+            sender.send(g.error_response(pb, ev.error), flags=FINAL)
+            return
+        if ev.finish_reason == "cancelled":
+            sender.send(flags=FINAL)
+            return
+        outs = [
+            g.out_ids(pb, "OUTPUT_IDS", ev.token_ids),
+            g.out_ids(pb, "PREFIX_IDS", ev.prefix_ids),
+            pb.Tensor("ROOM", np.array([room], np.int64)),
+            g.out_text(pb, "CANCEL_ADDR", cancel_addr),
+        ]
+        sender.send(pb.InferenceResponse(output_tensors=outs), flags=FINAL if ev.final else 0)
+
+    return emit
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        g.setup_env()
+        self.worker = DecodeWorker(from_triton_config(args["model_config"]))
+        self.metrics = g.StageMetrics(pb, "decode", args["model_instance_name"], self.worker.stats)
+
+    def _parse(self, request) -> DecodeRequest:
+        s = lambda name, cast: g.scalar(pb, request, name, None, cast)  # noqa: E731
+        seed = s("SEED", int)
+        params = SamplingParams(
+            temperature=s("TEMPERATURE", float),
+            top_p=s("TOP_P", float),
+            top_k=s("TOP_K", int),
+            seed=None if seed < 0 else seed,
+            max_tokens=s("MAX_TOKENS", int),
+            ignore_eos=s("IGNORE_EOS", bool),
+        )
+        return DecodeRequest(
+            room=s("ROOM", int),
+            prompt_ids=g.int_list(pb, request, "PROMPT_IDS"),
+            params=params,
+            bootstrap_addrs=[g.text(pb, request, "PREFILL_ADDR")],
+            stream=s("STREAM", bool),
+        )
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                req = self._parse(request)
+                emit = _emitter(sender, req.room, self.worker.cancel_addr)
+                self.worker.submit(req, emit, sender.is_cancelled)
+            except (ValueError, TypeError) as e:
+                sender.send(
+                    g.error_response(pb, f"decode: invalid request: {e}", True), flags=FINAL
+                )
+        return None
+
+    def finalize(self):
+        self.metrics.close()
+        self.worker.close()

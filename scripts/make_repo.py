@@ -1,0 +1,100 @@
+"""Copy model_repository to a new directory, rewriting stage parameters and instance counts.
+
+    python scripts/make_repo.py --out /tmp/repo --model models/smollm2-135m-instruct \\
+        --set decode.max_batch=8 --set num_pages=256 --instances prefill=2
+
+``--set stage.param=value`` changes one stage; ``--set param=value`` every stage that has the
+parameter (a name no stage has is an error). ``--model DIR`` sets ``model_dir`` everywhere (made
+absolute). Values are checked with the same parser the stages use at load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from backends.stage_params import parse_params  # noqa: E402
+
+SRC = os.path.join(ROOT, "model_repository")
+STAGES = ("preprocess", "prefill", "decode", "postprocess")
+_PARAM = r'(parameters:\s*\{{\s*key:\s*"{}"\s*value:\s*\{{\s*string_value:\s*")([^"]*)(")'
+
+
+def read_params(text: str) -> dict[str, str]:
+    pat = r'parameters:\s*\{\s*key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"'
+    return {m.group(1): m.group(2) for m in re.finditer(pat, text)}
+
+
+def set_param(text: str, name: str, value: str) -> str:
+    if '"' in value or "\n" in value:
+        raise SystemExit(f"parameter {name}: value must not contain quotes or newlines")
+    pat = re.compile(_PARAM.format(re.escape(name)))
+    if pat.search(text):
+        return pat.sub(lambda m: m.group(1) + value + m.group(3), text)
+    line = f'parameters: {{ key: "{name}" value: {{ string_value: "{value}" }} }}\n'
+    return text.rstrip("\n") + "\n" + line
+
+
+def set_instances(text: str, count: int) -> str:
+    new, n = re.subn(r"(instance_group\s*\[\s*\{\s*count:\s*)\d+", rf"\g<1>{count}", text)
+    if n != 1:
+        raise SystemExit("config has no single instance_group to change")
+    return new
+
+
+def make_repo(out: str, model: str | None = None, sets=(), instances=()) -> str:
+    if os.path.exists(out):
+        shutil.rmtree(out)
+    shutil.copytree(SRC, out, ignore=shutil.ignore_patterns("__pycache__"))
+    configs = {s: open(os.path.join(out, s, "config.pbtxt")).read() for s in STAGES}
+    changes: list[tuple[str | None, str, str]] = []
+    if model:
+        changes.append((None, "model_dir", os.path.abspath(model)))
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected [stage.]param=value")
+        stage, _, name = key.rpartition(".")
+        if stage and stage not in STAGES:
+            raise SystemExit(f"--set {item!r}: stage must be one of {STAGES}")
+        changes.append((stage or None, name, value))
+    for stage, name, value in changes:
+        targets = [stage] if stage else [s for s in STAGES if name in read_params(configs[s])]
+        if not targets:
+            raise SystemExit(f"--set {name}: no stage has this parameter; prefix a stage")
+        for s in targets:
+            configs[s] = set_param(configs[s], name, value)
+    for item in instances:
+        stage, _, n = item.partition("=")
+        if stage not in STAGES or not n.isdigit() or int(n) < 1:
+            raise SystemExit(f"--instances {item!r}: expected STAGE=N with N >= 1")
+        configs[stage] = set_instances(configs[stage], int(n))
+    for s, text in configs.items():
+        try:
+            parse_params(read_params(text))
+        except ValueError as e:
+            raise SystemExit(f"{s}: {e}") from None
+        with open(os.path.join(out, s, "config.pbtxt"), "w") as f:
+            f.write(text)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="directory to create (replaced if it exists)")
+    ap.add_argument("--model", help="checkpoint directory for every stage")
+    ap.add_argument("--set", action="append", default=[], metavar="[STAGE.]PARAM=VALUE")
+    ap.add_argument("--instances", action="append", default=[], metavar="STAGE=N")
+    args = ap.parse_args(argv)
+    print(make_repo(args.out, args.model, args.set, args.instances))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

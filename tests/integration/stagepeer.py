@@ -1,0 +1,52 @@
+"""A PrefillWorker in its own OS process (own Mooncake engine), driven over a pipe."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+
+def _serve(conn, params_kwargs: dict) -> None:
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    from backends.sampler import SamplingParams
+    from backends.stage_params import StageParams
+    from backends.stage_prefill import PrefillRequest, PrefillWorker
+
+    worker = PrefillWorker(StageParams(**params_kwargs))
+    conn.send(worker.bootstrap_addr)
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            worker.close()
+            return
+        if msg == "pages_in_use":
+            conn.send(worker.pages_in_use)
+            continue
+        room, ids = msg
+        res = worker.prefill_one(PrefillRequest(room, ids, SamplingParams(max_tokens=1)))
+        conn.send((res.first_token, res.error))
+
+
+class PrefillProcess:
+    def __init__(self, **params_kwargs):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, params_kwargs), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(120):
+            raise RuntimeError("prefill process did not start")
+        self.addr = self.conn.recv()
+
+    def prefill(self, room: int, ids: list[int]):
+        self.conn.send((room, ids))
+        return self.conn.recv()
+
+    def pages_in_use(self) -> int:
+        self.conn.send("pages_in_use")
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        self.conn.send(None)
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()

@@ -1,0 +1,108 @@
+"""Stage cores without Triton: PrefillWorker (own process) -> DecodeWorker, real Mooncake."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+from stagepeer import PrefillProcess
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit"))
+from runtime_models import checkpoint, hf_greedy, random_prompt  # noqa: E402
+
+from backends.sampler import SamplingParams  # noqa: E402
+from backends.stage_decode import DecodeRequest, DecodeWorker  # noqa: E402
+from backends.stage_params import StageParams  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def _params(ckpt: str) -> dict:
+    return dict(
+        model_dir=ckpt,
+        page_size=4,
+        num_pages=64,
+        max_context=256,
+        max_tokens_limit=128,
+        lg_fixed_group_size=1,
+        bootstrap_timeout_s=10.0,
+    )
+
+
+class Collector:
+    def __init__(self):
+        self.events, self.done = [], threading.Event()
+
+    def __call__(self, ev):
+        self.events.append(ev)
+        if ev.final:
+            self.done.set()
+
+    @property
+    def ids(self) -> list[int]:
+        return [t for ev in self.events for t in ev.token_ids]
+
+
+def test_disaggregated_greedy_equals_transformers_and_frees_pages():
+    ckpt = checkpoint("llama")
+    prefill = PrefillProcess(**_params(ckpt))
+    decode = DecodeWorker(StageParams(**_params(ckpt)))
+    try:
+        prompts = [random_prompt(n, seed=n) for n in (5, 17, 33, 9)]
+        outs, cancel_flag = [], threading.Event()
+        for i, ids in enumerate(prompts):  # decode registers first, as in the ensemble
+            c = Collector()
+            req = DecodeRequest(100 + i, ids, SamplingParams(max_tokens=12), [prefill.addr])
+            decode.submit(req, c)
+            outs.append(c)
+        # a fifth request is cancelled by its client after its first tokens
+        long_req = DecodeRequest(
+            200, prompts[0], SamplingParams(max_tokens=100, ignore_eos=True), [prefill.addr]
+        )
+        cancelled = Collector()
+        decode.submit(long_req, cancelled, cancel_flag.is_set)
+        for i, ids in enumerate(prompts):
+            first, err = prefill.prefill(100 + i, ids)
+            assert err is None
+        assert prefill.prefill(200, prompts[0])[1] is None
+        while len(cancelled.ids) < 3:
+            time.sleep(0.01)
+        cancel_flag.set()
+        for c in [*outs, cancelled]:
+            assert c.done.wait(60)
+        for ids, c in zip(prompts, outs, strict=True):
+            assert c.events[-1].error is None
+            assert c.ids == hf_greedy("llama", ids, 12)
+        assert cancelled.events[-1].finish_reason == "cancelled" and len(cancelled.ids) < 100
+        stats = decode.stats()
+        assert stats["max_batch"] > 1 and stats["cancelled"] == 1
+        deadline = time.time() + 10
+        while time.time() < deadline and (decode.pages_in_use or prefill.pages_in_use()):
+            time.sleep(0.1)
+        assert decode.pages_in_use == 0 and prefill.pages_in_use() == 0
+    finally:
+        decode.close()
+        prefill.stop()
+
+
+def test_decode_refusal_releases_the_prefill_room_at_once():
+    ckpt = checkpoint("llama")
+    prefill = PrefillProcess(**_params(ckpt))  # bootstrap_timeout_s=10
+    decode = DecodeWorker(StageParams(**_params(ckpt)))
+    try:
+        ids = random_prompt(200, seed=3)
+        req = DecodeRequest(7, ids, SamplingParams(max_tokens=100), [prefill.addr])
+        with pytest.raises(ValueError, match="context limit"):
+            decode.submit(req, Collector())
+        assert decode.pages_in_use == 0
+        t0 = time.time()
+        prefill.prefill(7, ids)
+        while prefill.pages_in_use() and time.time() - t0 < 10:
+            time.sleep(0.05)
+        assert prefill.pages_in_use() == 0 and time.time() - t0 < 5  # not the 10 s timeout
+    finally:
+        decode.close()
+        prefill.stop()
