@@ -144,13 +144,22 @@ class ModelRunner:
         return self.model.logits(h[-1:])[0]
 
     @torch.inference_mode()
-    def forward(self, pool: KVPool, seqs: list[SeqInput]) -> list[torch.Tensor]:
-        """Batched extend: per sequence logits [len(token_ids), vocab] float32."""
+    def forward(
+        self, pool: KVPool, seqs: list[SeqInput], last_only: bool = False
+    ) -> list[torch.Tensor]:
+        """Batched extend: per sequence logits [len(token_ids), vocab] float32.
+
+        ``last_only``: only each sequence's last position, [1, vocab] (skips the LM head on the
+        others; a draft model catching up several tokens needs only the last one).
+        """
         self._check_pool(pool)
         meta = self._meta(pool, [(s.start_pos, len(s.token_ids), s.pages) for s in seqs])
         ids = self._ids([t for s in seqs for t in s.token_ids])
         h = self.model.embed(ids)  # [T, hidden]
         h = self.model.run_layers(h, meta, pool.tensor, 0, self.config.num_layers)
+        if last_only:
+            ends = torch.tensor(meta.lengths, device=self.device).cumsum(0) - 1  # [B]
+            return list(self.model.logits(h[ends]).split(1))  # B x [1, vocab]
         logits = self.model.logits(h)  # [T, vocab]
         return list(logits.split(meta.lengths))
 

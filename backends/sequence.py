@@ -36,7 +36,6 @@ class Sequence:
     # speculative decoding (backends.spec): the draft model's pages and KV progress
     draft_pages: list[int] = field(default_factory=list)
     draft_len: int = 0  # positions [0, draft_len) hold valid draft KV
-    draft_prefilled: bool = False  # prompt draft KV already in ``draft_pages``
     num_proposed: int = 0  # draft tokens proposed / accepted, target verify steps
     num_accepted: int = 0
     num_verify_steps: int = 0

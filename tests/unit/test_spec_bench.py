@@ -1,0 +1,38 @@
+"""scripts/bench_spec.py end to end (subprocess, --json) on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import runtime_models as rm
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def test_bench_spec_json():
+    args = "--random-prompts 6 --batches 1 3 --draft-layers 1 4 --spec-tokens 2 --max-tokens 8"
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "bench_spec.py"), "--model"]
+        + [rm.checkpoint("llama")]
+        + args.split()
+        + ["--runs", "1", "--page-size", "4", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    res = json.loads(out.stdout)
+    rows = {(r["config"], r["batch"]): r for r in res["results"]}
+    assert sorted(rows) == sorted(
+        (c, b) for b in (1, 3) for c in ("target only", "self-draft K=1 k=2", "self-draft K=4 k=2")
+    )
+    for (config, _), r in rows.items():
+        assert r["decode_tok_s"] > 0
+        if config != "target only":
+            assert r["same"] is True  # spec greedy output == target-only output
+    full = rows[("self-draft K=4 k=2", 3)]  # the whole model as its own draft
+    assert full["acceptance_rate"] == 1.0 and full["mean_accepted_length"] > 2
+    assert rows[("self-draft K=1 k=2", 1)]["acceptance_rate"] < 0.5
