@@ -2,10 +2,15 @@
 
 One :class:`DecodeWorker` per decode instance owns the model runner, its KV pool, a
 :class:`~kvtransfer.KVReceiver` and an :class:`~backends.engine.LLMEngine` driven by ONE
-background thread. Per request (:meth:`DecodeWorker.submit`, any thread):
+background thread. With ``spec_enabled`` it also owns the draft model and its KV pool, registers
+pages of both pools (kvtransfer entries ``target`` and ``draft``) and runs a
+:class:`~backends.spec.SpecEngine` that starts from the transferred draft KV.
 
-1. allocate pages for ``prompt + max_tokens - 1`` tokens (FIFO-queued while the pool is full) and
-   register them with the prefill bootstrap address(es) of the request, while prefill computes;
+Per request (:meth:`DecodeWorker.submit`, any thread):
+
+1. allocate pages for ``prompt + max_tokens - 1`` tokens in each pool (FIFO-queued while a pool
+   is full) and register them with the prefill bootstrap address(es) of the request, while
+   prefill computes;
 2. when the room reaches Success, hand the pages and the first token to the engine
    (``add_prefilled``, which owns the pages from then on);
 3. each engine step emits the new tokens through the request's ``emit`` callback.
@@ -24,53 +29,31 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from kvtransfer import KVReceiver, RoomStatus
 
 from .cancel_channel import CancelListener
+from .decode_request import (
+    PREFIX_WINDOW,
+    ActiveRequest,
+    DecodeEvent,
+    DecodeRequest,
+    Emit,
+    always,
+    cancel_requested,
+    noop,
+)
 from .engine import LLMEngine
 from .runner import ModelRunner
-from .sampler import SamplingParams
+from .spec import DraftSpec, SpecEngine
 from .stage_params import StageParams
+from .stage_spec import DRAFT, explain_failure, load_stage_draft, make_draft_pool, spec_stats
 
 log = logging.getLogger(__name__)
 
-PREFIX_WINDOW = 8  # earlier tokens sent along with new ones, for incremental detokenization
+__all__ = ["DecodeEvent", "DecodeRequest", "DecodeWorker"]
+
 CANCEL_POLL_S = 0.05
-
-
-@dataclass
-class DecodeRequest:
-    room: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    bootstrap_addrs: list[str]
-    stream: bool = True
-
-
-@dataclass
-class DecodeEvent:
-    token_ids: list[int]  # new tokens (all of them when stream=False)
-    prefix_ids: list[int]  # up to PREFIX_WINDOW tokens emitted before token_ids
-    final: bool = False
-    error: str | None = None
-    finish_reason: str | None = None
-
-
-Emit = Callable[[DecodeEvent], None]
-
-
-@dataclass
-class _Req:
-    req: DecodeRequest
-    emit: Emit
-    is_cancelled: Callable[[], bool] | None
-    pages: list[int] = field(default_factory=list)
-    phase: str = "waiting"  # waiting (pages) -> transfer -> running -> done
-    cancelled: bool = False
-    out_ids: list[int] = field(default_factory=list)
-    t: dict = field(default_factory=dict)
 
 
 class DecodeWorker:
@@ -80,19 +63,28 @@ class DecodeWorker:
             params.model_path, dtype=params.dtype, device=params.device
         )
         self.pool = self.runner.make_pool(params.num_pages, params.page_size)
-        self.engine = LLMEngine(self.runner, self.pool, params.max_batch, params.max_context)
+        self.draft = load_stage_draft(params, self.runner)  # None: speculative decoding off
+        self.pools = {"target": self.pool}
+        if self.draft is None:
+            self.engine = LLMEngine(self.runner, self.pool, params.max_batch, params.max_context)
+        else:
+            self.pools[DRAFT] = make_draft_pool(params, self.draft)
+            spec = DraftSpec(self.draft, self.pools[DRAFT], params.spec_tokens)
+            self.engine = SpecEngine(
+                self.runner, self.pool, spec, params.max_batch, params.max_context
+            )
         cfg = params.transfer_config()
-        self.receiver = KVReceiver(cfg, {"target": self.pool.layout})
+        self.receiver = KVReceiver(cfg, {role: p.layout for role, p in self.pools.items()})
         # clients cancel through this channel too (see backends/cancel_channel.py)
         self.cancel_listener = CancelListener(cfg.host, self.cancel, cfg.shared_secret)
         self.cancel_addr = self.cancel_listener.addr
         self._cancel_rooms: set[int] = set()
         self.name = name
         self._cond = threading.Condition()
-        self._waiting: deque[_Req] = deque()  # no pages yet (FIFO)
-        self._transfers: dict[int, _Req] = {}  # room -> registered, KV in flight
+        self._waiting: deque[ActiveRequest] = deque()  # no pages yet (FIFO)
+        self._transfers: dict[int, ActiveRequest] = {}  # room -> registered, KV in flight
         self._ready: deque[tuple[int, RoomStatus]] = deque()  # rooms ended (control thread)
-        self._running: dict[str, _Req] = {}  # seq id -> in the engine
+        self._running: dict[str, ActiveRequest] = {}  # seq id -> in the engine
         self.counters = dict.fromkeys(
             ("requests", "failed", "cancelled", "steps", "max_batch", "last_batch", "tokens"), 0
         )
@@ -112,11 +104,14 @@ class DecodeWorker:
                 f"prompt ({n} tokens) + max_tokens ({m}) = {n + m} exceeds the context limit"
                 f" of {self.params.max_context} tokens"
             )
-        need = self.pool.pages_needed(n + m - 1)
-        if need > self.pool.num_pages:
-            raise ValueError(
-                f"request needs {need} KV pages, the decode pool has only {self.pool.num_pages}"
-            )
+        for role, pool in self.pools.items():
+            need = pool.pages_needed(n + m - 1)
+            if need > pool.num_pages:
+                what = "" if role == "target" else f"{role} "
+                raise ValueError(
+                    f"request needs {need} {what}KV pages, the decode {what}pool has only"
+                    f" {pool.num_pages}"
+                )
         if not req.bootstrap_addrs:
             raise ValueError("no prefill bootstrap address")
 
@@ -129,7 +124,7 @@ class DecodeWorker:
         except ValueError as e:
             self._refuse(req, str(e))
             raise
-        r = _Req(req, emit, is_cancelled)
+        r = ActiveRequest(req, emit, is_cancelled)
         r.t["submitted"] = time.time()
         with self._cond:
             if req.room in self._transfers or str(req.room) in self._running:
@@ -147,7 +142,8 @@ class DecodeWorker:
             return
         try:
             n = len(req.prompt_ids)
-            self.receiver.register(req.room, req.bootstrap_addrs, {"target": []}, n, _noop)
+            empty = dict.fromkeys(self.pools, [])
+            self.receiver.register(req.room, req.bootstrap_addrs, empty, n, noop)
             self.receiver.abort(req.room, f"decode refused the request: {reason}")
         except Exception:
             log.debug("%s: room %d: refusing at prefill failed", self.name, req.room)
@@ -160,7 +156,8 @@ class DecodeWorker:
 
     @property
     def pages_in_use(self) -> int:
-        return self.pool.num_pages - self.pool.num_free
+        """Pages allocated in the target pool plus the draft pool (when there is one)."""
+        return sum(p.num_pages - p.num_free for p in self.pools.values())
 
     def stats(self) -> dict:
         snap = self.receiver.stats()
@@ -169,7 +166,9 @@ class DecodeWorker:
             snap["waiting"] = len(self._waiting) + len(self._transfers) + len(self.engine.waiting)
             snap["running"] = len(self.engine.running)
         snap["pages_in_use"] = self.pages_in_use
-        snap["num_pages"] = self.pool.num_pages
+        snap["num_pages"] = sum(p.num_pages for p in self.pools.values())
+        if self.draft is not None:
+            snap.update(spec_stats(self.engine))
         return snap
 
     def close(self) -> None:
@@ -189,18 +188,18 @@ class DecodeWorker:
                     return
                 r = self._waiting[0]
                 n = len(r.req.prompt_ids) + r.req.params.max_tokens - 1
-                need = self.pool.pages_needed(n)
-                if need > self.pool.num_free:
+                need = {role: p.pages_needed(n) for role, p in self.pools.items()}
+                if any(need[role] > p.num_free for role, p in self.pools.items()):
                     return
                 self._waiting.popleft()
-                r.pages = self.pool.alloc(need)
+                r.pages = {role: p.alloc(need[role]) for role, p in self.pools.items()}
                 r.phase = "transfer"
                 self._transfers[r.req.room] = r
             try:
                 self.receiver.register(
                     r.req.room,
                     r.req.bootstrap_addrs,
-                    {"target": r.pages},
+                    r.pages,
                     len(r.req.prompt_ids),
                     self._on_release,
                 )
@@ -208,7 +207,7 @@ class DecodeWorker:
             except Exception as e:  # bad address etc.: this request only
                 with self._cond:
                     self._transfers.pop(r.req.room, None)
-                self.pool.free(r.pages)
+                self._free(r)
                 self._finish(r, error=f"registering KV pages with prefill failed: {e}")
 
     def _on_release(self, room: int, status: RoomStatus) -> None:  # control thread
@@ -243,20 +242,34 @@ class DecodeWorker:
                 continue
             r.t["transfer_done"] = time.time()
             if r.cancelled or status != RoomStatus.Success:
-                self.pool.free(r.pages)
-                why = self.receiver.failure_reason(room) or status.name
+                self._free(r)
+                why = explain_failure(self.receiver.failure_reason(room) or status.name)
                 self._finish(r, error=None if r.cancelled else f"KV transfer failed: {why}")
                 continue
             try:
                 first, _extra = self.receiver.result(room)
                 self.receiver.forget(room)
-                self.engine.add_prefilled(str(room), r.req.prompt_ids, r.pages, first, r.req.params)
+                self._add_prefilled(r, first)
             except Exception as e:
-                self.pool.free(r.pages)
+                self._free(r)
                 self._finish(r, error=f"decode could not take the prefilled request: {e}")
                 continue
             r.phase = "running"
             self._running[str(room)] = r
+
+    def _add_prefilled(self, r: ActiveRequest, first: int) -> None:
+        """Hand the request to the engine, which owns (and frees) its pages from then on."""
+        args = (str(r.req.room), r.req.prompt_ids, r.pages["target"], first, r.req.params)
+        if self.draft is None:
+            self.engine.add_prefilled(*args)
+        else:
+            self.engine.add_prefilled(*args, draft_pages=r.pages[DRAFT])
+        r.pages = {}
+
+    def _free(self, r: ActiveRequest) -> None:
+        pages, r.pages = r.pages, {}
+        for role, ids in pages.items():
+            self.pools[role].free(ids)
 
     def _step(self) -> None:
         batch = len(self.engine.running)
@@ -289,7 +302,7 @@ class DecodeWorker:
                 del self._running[seq_id]
                 self._finish(r, reason=reasons[seq_id], tokens=tokens)
 
-    def _send(self, r: _Req, ev: DecodeEvent) -> bool:
+    def _send(self, r: ActiveRequest, ev: DecodeEvent) -> bool:
         try:
             r.emit(ev)
             return True
@@ -301,7 +314,7 @@ class DecodeWorker:
                 del self._running[str(r.req.room)]
             return False
 
-    def _finish(self, r: _Req, error=None, reason=None, tokens=None) -> None:
+    def _finish(self, r: ActiveRequest, error=None, reason=None, tokens=None) -> None:
         if r.phase == "done":
             return
         r.phase = "done"
@@ -329,12 +342,14 @@ class DecodeWorker:
         self._last_cancel_poll = now
         for r in self._all():
             if r.req.room in rooms:
-                r.is_cancelled = _yes
+                r.is_cancelled = always
         with self._cond:
-            waiting = [r for r in self._waiting if _cancelled(r)]
+            waiting = [r for r in self._waiting if cancel_requested(r)]
             for r in waiting:
                 self._waiting.remove(r)
-            transfers = [r for r in self._transfers.values() if not r.cancelled and _cancelled(r)]
+            transfers = [
+                r for r in self._transfers.values() if not r.cancelled and cancel_requested(r)
+            ]
         for r in waiting:
             r.cancelled = True
             self._finish(r)
@@ -342,13 +357,13 @@ class DecodeWorker:
             r.cancelled = True  # on_release -> _take_ready frees the pages
             self.receiver.abort(r.req.room, "client cancelled")
         for seq_id, r in list(self._running.items()):
-            if _cancelled(r):
+            if cancel_requested(r):
                 r.cancelled = True
                 self.engine.abort(seq_id)
                 del self._running[seq_id]
                 self._finish(r)
 
-    def _all(self) -> list[_Req]:
+    def _all(self) -> list[ActiveRequest]:
         with self._cond:
             return [*self._waiting, *self._transfers.values(), *self._running.values()]
 
@@ -358,7 +373,7 @@ class DecodeWorker:
             del self._running[seq_id]
             self._finish(r, error=error)
 
-    def _trace(self, r: _Req, error: str | None) -> None:
+    def _trace(self, r: ActiveRequest, error: str | None) -> None:
         if not self.params.trace_dir:
             return
         rec = {"stage": "decode", "room": r.req.room, "error": error, "cancelled": r.cancelled}
@@ -366,20 +381,3 @@ class DecodeWorker:
         path = os.path.join(self.params.trace_dir, f"{self.name}-{os.getpid()}.jsonl")
         with open(path, "a") as f:
             f.write(json.dumps(rec) + "\n")
-
-
-def _noop(*_args) -> None:
-    pass
-
-
-def _yes() -> bool:
-    return True
-
-
-def _cancelled(r: _Req) -> bool:
-    if r.cancelled or r.is_cancelled is None:
-        return False
-    try:
-        return bool(r.is_cancelled())
-    except Exception:
-        return True

@@ -43,6 +43,11 @@ class StageParams:
     transfer_timeout_s: float = 120.0
     shared_secret: str = ""  # >= 16 chars enables HMAC on control messages
     trace_dir: str = ""  # when set, stages append per-request timing JSON lines here
+    # speculative decoding (prefill and decode must be configured identically)
+    spec_enabled: bool = False  # prefill sends the draft's prompt KV; decode drafts + verifies
+    draft_model_dir: str = ""  # draft checkpoint; "" = self-draft (target's first draft_layers)
+    draft_layers: int = 24  # self-draft: number of the target's layers the draft keeps
+    spec_tokens: int = 2  # draft tokens proposed per verify step (k)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -51,7 +56,8 @@ class StageParams:
             raise ValueError(
                 f"parameter transport must be one of {TRANSPORTS}, got {self.transport!r}"
             )
-        for name in ("page_size", "num_pages", "max_batch", "max_context", "max_tokens_limit"):
+        positive = ("page_size", "num_pages", "max_batch", "max_context", "max_tokens_limit")
+        for name in (*positive, "draft_layers", "spec_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(
                     f"parameter {name} must be an integer >= 1, got {getattr(self, name)}"
@@ -73,6 +79,14 @@ class StageParams:
             if os.path.isabs(self.model_dir)
             else os.path.join(REPO_ROOT, self.model_dir)
         )
+
+    @property
+    def draft_path(self) -> str | None:
+        """The draft checkpoint directory (absolute), or None for a self-draft."""
+        if not self.draft_model_dir:
+            return None
+        d = self.draft_model_dir
+        return d if os.path.isabs(d) else os.path.join(REPO_ROOT, d)
 
     def policy(self) -> LayerGroupPolicy:
         try:

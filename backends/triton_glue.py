@@ -104,6 +104,22 @@ METRICS = [
     ("pd_requests_total", "c", "requests", "Requests received by the stage"),
     ("pd_requests_failed_total", "c", "failed", "Requests that ended in an error"),
     ("pd_requests_cancelled_total", "c", "cancelled", "Requests cancelled by the client"),
+    # speculative decoding (decode with spec_enabled only)
+    ("pd_spec_proposed_tokens_total", "c", "spec_proposed", "Draft tokens proposed"),
+    ("pd_spec_accepted_tokens_total", "c", "spec_accepted", "Draft tokens the target accepted"),
+    ("pd_spec_verify_steps_total", "c", "spec_verify_steps", "Target verify forwards (per seq)"),
+    (
+        "pd_spec_acceptance_rate",
+        "g",
+        "spec_acceptance_rate",
+        "Accepted / proposed draft tokens since start",
+    ),
+    (
+        "pd_spec_mean_accepted_length",
+        "g",
+        "spec_mean_accepted_length",
+        "Tokens per verify step (accepted drafts + 1) since start",
+    ),
 ]
 
 

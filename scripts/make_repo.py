@@ -2,6 +2,7 @@
 
     python scripts/make_repo.py --out /tmp/repo --model models/smollm2-135m-instruct \\
         --set decode.max_batch=8 --set num_pages=256 --instances prefill=2
+    python scripts/make_repo.py --out /tmp/repo --set spec_enabled=true --set spec_tokens=3
 
 ``--set stage.param=value`` changes one stage; ``--set param=value`` every stage that has the
 parameter (a name no stage has is an error). ``--model DIR`` sets ``model_dir`` everywhere (made
@@ -48,10 +49,12 @@ def set_instances(text: str, count: int) -> str:
     return new
 
 
-def make_repo(out: str, model: str | None = None, sets=(), instances=()) -> str:
+def make_repo(out: str, model: str | None = None, sets=(), instances=(), src: str = SRC) -> str:
+    if os.path.abspath(out) == os.path.abspath(src):
+        raise SystemExit("--out must differ from the source repository")
     if os.path.exists(out):
         shutil.rmtree(out)
-    shutil.copytree(SRC, out, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("__pycache__"))
     configs = {s: open(os.path.join(out, s, "config.pbtxt")).read() for s in STAGES}
     changes: list[tuple[str | None, str, str]] = []
     if model:
@@ -88,11 +91,12 @@ def make_repo(out: str, model: str | None = None, sets=(), instances=()) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="directory to create (replaced if it exists)")
+    ap.add_argument("--src", default=SRC, help="repository to copy (default: model_repository)")
     ap.add_argument("--model", help="checkpoint directory for every stage")
     ap.add_argument("--set", action="append", default=[], metavar="[STAGE.]PARAM=VALUE")
     ap.add_argument("--instances", action="append", default=[], metavar="STAGE=N")
     args = ap.parse_args(argv)
-    print(make_repo(args.out, args.model, args.set, args.instances))
+    print(make_repo(args.out, args.model, args.set, args.instances, args.src))
     return 0
 
 

@@ -3,17 +3,22 @@
 #
 #   scripts/serve.sh [--model-repo DIR] [--model CKPT] [--http-port 8000] [--grpc-port 8001]
 #                    [--metrics-port 8002] [--foreground] [--log FILE] [--stop]
+#                    [--draft DIR | --draft-layers K] [--spec-tokens N]
 #
 # tritonserver: the one on PATH (NGC image: /opt/tritonserver/bin), else the binary of the
 # nvidia-pytriton wheel in .venv (scripts/triton_paths.py). Default: start in the background,
 # wait until ready, print the URLs and the log path. --foreground: run attached; Ctrl-C or
 # SIGTERM stops the server cleanly. --stop: stop a background server started by this script.
 # --model CKPT serves another checkpoint (a copy of the repository is made with make_repo.py).
+# Speculative decoding (any of these turns it on, in prefill and decode alike): --draft DIR (a
+# draft checkpoint sharing the target's vocabulary), --draft-layers K (self-draft: the target's
+# first K layers; the default when no --draft), --spec-tokens N (draft tokens per step).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 HTTP=8000 GRPC=8001 METRICS=8002 FOREGROUND=0 STOP=0 CKPT="" REPO="$ROOT/model_repository"
 RUN_DIR="${PD_RUN_DIR:-$ROOT/.run}"
 LOG="" TIMEOUT="${PD_SERVE_TIMEOUT:-300}"
+SETS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --http-port) HTTP="$2"; shift 2 ;;
@@ -22,9 +27,14 @@ while [ $# -gt 0 ]; do
     --model) CKPT="$2"; shift 2 ;;
     --model-repo) REPO="$2"; shift 2 ;;
     --log) LOG="$2"; shift 2 ;;
+    --draft)
+      [ -d "${2:-}" ] || { echo "serve.sh: --draft ${2:-} is not a directory" >&2; exit 2; }
+      SETS+=(--set spec_enabled=true --set "draft_model_dir=$(cd "$2" && pwd)"); shift 2 ;;
+    --draft-layers) SETS+=(--set spec_enabled=true --set "draft_layers=$2"); shift 2 ;;
+    --spec-tokens) SETS+=(--set spec_enabled=true --set "decode.spec_tokens=$2"); shift 2 ;;
     --foreground) FOREGROUND=1; shift ;;
     --stop) STOP=1; shift ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "serve.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -51,9 +61,12 @@ else
   eval "$("$PY" "$ROOT/scripts/triton_paths.py")"
   "$PY" "$ROOT/scripts/triton_paths.py" --install-stub >/dev/null
 fi
-if [ -n "$CKPT" ]; then
-  REPO="$RUN_DIR/model_repository"
-  "$PY" "$ROOT/scripts/make_repo.py" --out "$REPO" --model "$CKPT" >/dev/null
+if [ -n "$CKPT" ] || [ ${#SETS[@]} -gt 0 ]; then
+  OUT="$RUN_DIR/model_repository-$HTTP"
+  MR=("$ROOT/scripts/make_repo.py" --src "$REPO" --out "$OUT")
+  [ -n "$CKPT" ] && MR+=(--model "$CKPT")
+  "$PY" "${MR[@]}" ${SETS[@]+"${SETS[@]}"} >/dev/null
+  REPO="$OUT"
 fi
 SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"

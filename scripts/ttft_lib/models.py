@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +39,7 @@ def kv_heavy_checkpoint(path: Path = KV_HEAVY_DIR) -> str:
     if cfg_file.exists():
         have = json.loads(cfg_file.read_text())
         if all(have.get(k) == v for k, v in KV_HEAVY.items() if k != "initializer_range"):
+            _copy_tokenizer(path)
             return str(path)
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -46,7 +48,16 @@ def kv_heavy_checkpoint(path: Path = KV_HEAVY_DIR) -> str:
     model = LlamaForCausalLM(LlamaConfig(**KV_HEAVY)).eval()
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(str(path))
+    _copy_tokenizer(path)
     return str(path)
+
+
+def _copy_tokenizer(path: Path) -> None:
+    """The serving stages (pre/postprocess) need a tokenizer: borrow SmolLM2's. The benchmark
+    sends token ids < vocab_size, and those ids decode fine with it."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if not (path / name).exists() and (DEFAULT_MODEL / name).exists():
+            shutil.copy(DEFAULT_MODEL / name, path / name)
 
 
 def resolve(name: str) -> str:

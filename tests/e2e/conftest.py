@@ -41,30 +41,14 @@ class Server:
     log: str
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory):
-    reuse = os.environ.get("PD_E2E_SERVER")  # "http,grpc,metrics_url,trace_dir,log" (debugging)
-    if reuse:
-        yield Server(*reuse.split(","))
-        return
-    tmp = tmp_path_factory.mktemp("triton")
+def launch(tmp, sets: list[str], instances: list[str] = ()) -> tuple[Server, list[str], dict]:
+    """Start scripts/serve.sh on a make_repo copy (``--set`` items, ``--instances`` items) in
+    ``tmp`` on free ports; returns (server, the serve.sh command, its env) for :func:`stop`."""
     repo, trace, run = tmp / "repo", tmp / "trace", tmp / "run"
     trace.mkdir()
-    sets = [
-        "num_pages=256",
-        f"max_context={MAX_CONTEXT}",
-        f"max_tokens_limit={MAX_TOKENS_LIMIT}",
-        "prefill.lg_fixed_group_size=10",  # 3 layer groups even for short prompts
-        "bootstrap_timeout_s=10",
-        f"trace_dir={trace}",
-    ]
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "make_repo.py"), "--out", str(repo)]
-    cmd += [a for s in sets for a in ("--set", s)] + [
-        "--instances",
-        "prefill=2",
-        "--instances",
-        "decode=2",
-    ]
+    cmd += [a for s in [*sets, f"trace_dir={trace}"] for a in ("--set", s)]
+    cmd += [a for i in instances for a in ("--instances", i)]
     subprocess.run(cmd, check=True, capture_output=True)
     ports = [str(free_port()) for _ in range(3)]
     serve = [os.path.join(ROOT, "scripts", "serve.sh"), "--model-repo", str(repo)]
@@ -78,8 +62,30 @@ def server(tmp_path_factory):
         str(trace),
         str(run / f"tritonserver-{ports[0]}.log"),
     )
+    return srv, serve, env
+
+
+def stop(srv: Server, serve: list[str], env: dict) -> None:
+    port = srv.http.rsplit(":", 1)[1]
+    subprocess.run(serve[:1] + ["--stop", "--http-port", port], env=env, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    reuse = os.environ.get("PD_E2E_SERVER")  # "http,grpc,metrics_url,trace_dir,log" (debugging)
+    if reuse:
+        yield Server(*reuse.split(","))
+        return
+    sets = [
+        "num_pages=256",
+        f"max_context={MAX_CONTEXT}",
+        f"max_tokens_limit={MAX_TOKENS_LIMIT}",
+        "prefill.lg_fixed_group_size=10",  # 3 layer groups even for short prompts
+        "bootstrap_timeout_s=10",
+    ]
+    srv, serve, env = launch(tmp_path_factory.mktemp("triton"), sets, ["prefill=2", "decode=2"])
     yield srv
-    subprocess.run(serve[:1] + ["--stop", "--http-port", ports[0]], env=env, timeout=60)
+    stop(srv, serve, env)
 
 
 # ---- reference ---------------------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""A PrefillWorker in its own OS process (own Mooncake engine), driven over a pipe."""
+"""A PrefillWorker in its own OS process (own Mooncake engine), driven over a pipe.
+
+``fail_role="draft"`` makes every KV write of that entry fail (the wrapped Mooncake engine
+reports the batch failed), to test how a room whose draft KV cannot be delivered ends.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,30 @@ import multiprocessing as mp
 import os
 
 
-def _serve(conn, params_kwargs: dict) -> None:
+def _fail_writes_of(worker, role: str) -> None:
+    lay = worker.sender.layouts[role]
+    lo, hi = lay.base_addr, lay.base_addr + lay.nbytes
+    engine = worker.sender.engine
+    submit = engine.submit
+
+    def failing_submit(session, transfers, callback):
+        if any(lo <= t.src < hi for t in transfers):
+            callback(False)  # as when Mooncake returns a failed status for the batch
+            return
+        submit(session, transfers, callback)
+
+    engine.submit = failing_submit
+
+
+def _serve(conn, params_kwargs: dict, fail_role: str | None) -> None:
     os.environ.setdefault("GLOG_minloglevel", "2")
     from backends.sampler import SamplingParams
     from backends.stage_params import StageParams
     from backends.stage_prefill import PrefillRequest, PrefillWorker
 
     worker = PrefillWorker(StageParams(**params_kwargs))
+    if fail_role:
+        _fail_writes_of(worker, fail_role)
     conn.send(worker.bootstrap_addr)
     while True:
         msg = conn.recv()
@@ -28,10 +49,10 @@ def _serve(conn, params_kwargs: dict) -> None:
 
 
 class PrefillProcess:
-    def __init__(self, **params_kwargs):
+    def __init__(self, fail_role: str | None = None, **params_kwargs):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, params_kwargs), daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(child, params_kwargs, fail_role), daemon=True)
         self.proc.start()
         if not self.conn.poll(120):
             raise RuntimeError("prefill process did not start")
