@@ -8,6 +8,10 @@ cd "$ROOT"
 VPY="$ROOT/.venv/bin/python"
 [ -x "$VPY" ] || { echo "no .venv: run scripts/setup.sh first" >&2; exit 1; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# One torch thread per process: the tests run several processes at once (pytest, tritonserver's
+# prefill and decode stubs, Mooncake peers); with every process spinning one OpenMP thread per
+# core, multi-token forwards on a 2-core host slowed ~10x (measured).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" GLOG_minloglevel="${GLOG_minloglevel:-2}"
 echo "[test] ruff"
 "$VPY" -m ruff check backends kvtransfer scripts tests model_repository
 echo "[test] pytest"
