@@ -107,11 +107,7 @@ class LLMEngine:
         frees them when the sequence ends. ``first_token`` was sampled by the prefill side.
         """
         self._validate(seq_id, prompt_ids, params)
-        if len(pages) < self.pool.pages_needed(len(prompt_ids)):
-            raise ValueError(
-                f"{len(prompt_ids)} prompt tokens need {self.pool.pages_needed(len(prompt_ids))}"
-                f" pages of {self.pool.page_size}, got {len(pages)}"
-            )
+        self.pool.check_holds(len(prompt_ids), pages)
         if not 0 <= first_token < self.runner.config.vocab_size:
             raise ValueError(f"first_token {first_token} outside the vocabulary")
         seq = Sequence(seq_id, list(prompt_ids), params, pages=list(pages), prefilled=True)

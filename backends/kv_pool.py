@@ -57,6 +57,15 @@ class KVPool:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         return -(-num_tokens // self.page_size)
 
+    def check_holds(self, num_tokens: int, pages: list[int], what: str = "") -> None:
+        """ValueError unless ``pages`` are enough for ``num_tokens`` tokens of this pool."""
+        need = self.pages_needed(num_tokens)
+        if len(pages) < need:
+            raise ValueError(
+                f"{num_tokens} prompt tokens need {need} {what}pages of {self.page_size},"
+                f" got {len(pages)}"
+            )
+
     def alloc(self, n_pages: int) -> list[int]:
         if not isinstance(n_pages, int) or n_pages < 0:
             raise ValueError(f"n_pages must be a non-negative integer, got {n_pages!r}")

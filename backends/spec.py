@@ -222,12 +222,7 @@ class SpecEngine(LLMEngine):
         locally on the first step; the output is the same, only slower.
         """
         if draft_pages is not None:
-            need = self.draft.pool.pages_needed(len(prompt_ids))
-            if len(draft_pages) < need:
-                raise ValueError(
-                    f"{len(prompt_ids)} prompt tokens need {need} draft pages of "
-                    f"{self.draft.pool.page_size}, got {len(draft_pages)}"
-                )
+            self.draft.pool.check_holds(len(prompt_ids), draft_pages, "draft ")
         seq = super().add_prefilled(seq_id, prompt_ids, pages, first_token, params)
         if draft_pages is not None:
             seq.draft_pages = list(draft_pages)

@@ -14,6 +14,8 @@ import threading
 
 import numpy as np
 
+from .sampler import SamplingParams
+
 log = logging.getLogger(__name__)
 
 
@@ -38,6 +40,24 @@ def scalar(pb, request, name: str, default, cast):
     if isinstance(v, bytes):
         v = v.decode("utf-8", errors="replace")
     return cast(v)
+
+
+def sampling_params(pb, request, min_max_tokens: int | None = None) -> SamplingParams:
+    """The sampling inputs every stage after preprocess receives (TEMPERATURE, TOP_P, TOP_K,
+    SEED (-1 = none), MAX_TOKENS, IGNORE_EOS); ``min_max_tokens`` raises MAX_TOKENS to at least
+    that (prefill samples one token whatever the budget; decode validates it)."""
+    seed = scalar(pb, request, "SEED", None, int)
+    max_tokens = scalar(pb, request, "MAX_TOKENS", None, int)
+    if min_max_tokens is not None:
+        max_tokens = max(min_max_tokens, max_tokens)
+    return SamplingParams(
+        temperature=scalar(pb, request, "TEMPERATURE", None, float),
+        top_p=scalar(pb, request, "TOP_P", None, float),
+        top_k=scalar(pb, request, "TOP_K", None, int),
+        seed=None if seed < 0 else seed,
+        max_tokens=max_tokens,
+        ignore_eos=scalar(pb, request, "IGNORE_EOS", None, bool),
+    )
 
 
 def text(pb, request, name: str) -> str | None:

@@ -21,6 +21,8 @@ import zmq
 
 from . import messages as m
 from .config import TransferConfig
+from .engine import Engine
+from .layout import EntryLayout
 from .state import Room, RoomStatus, RoomTable
 from .stats import TransferStats
 
@@ -210,6 +212,19 @@ class ControlLoop:
         """Per-room detail: bytes, seconds, and one record per layer group (sender side)."""
         return self.transfer_stats.get_room(room)
 
+    def open_engine(self, layouts: dict[str, EntryLayout]) -> None:
+        """Check the entry layouts (key == role, pool address set), start the Mooncake engine
+        and register every pool with it once; :meth:`close` closes it."""
+        if not layouts:
+            raise ValueError(f"{type(self).__name__} needs at least one entry layout")
+        for role, lay in layouts.items():
+            if lay.role != role or not lay.base_addr:
+                raise ValueError(f"layout {role!r}: role must match the key and base_addr be set")
+        self.layouts = dict(layouts)
+        self.engine = Engine(self.config)
+        for lay in self.layouts.values():
+            self.engine.register(lay.base_addr, lay.nbytes)
+
     def close(self) -> None:
         if self._stop:
             return
@@ -220,6 +235,8 @@ class ControlLoop:
         self.ctx.destroy(linger=0)
         os.close(self._wake_r)
         os.close(self._wake_w)
+        if getattr(self, "engine", None) is not None:
+            self.engine.close()
 
     # ---- for subclasses ----------------------------------------------------------------------
     def on_frames(self, sock: zmq.Socket, frames: list[bytes]) -> None:

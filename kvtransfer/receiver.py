@@ -23,7 +23,6 @@ import zmq
 from . import messages as m
 from .config import TransferConfig
 from .control import ControlLoop, ReleaseCallback, TransferFailed
-from .engine import Engine
 from .layout import EntryLayout, check_compatible
 from .state import Room, RoomStatus
 
@@ -45,15 +44,7 @@ class KVReceiver(ControlLoop):
 
     def __init__(self, config: TransferConfig, layouts: dict[str, EntryLayout]):
         super().__init__(config)
-        if not layouts:
-            raise ValueError("KVReceiver needs at least one entry layout")
-        for role, lay in layouts.items():
-            if lay.role != role or not lay.base_addr:
-                raise ValueError(f"layout {role!r}: role must match the key and base_addr be set")
-        self.layouts = dict(layouts)
-        self.engine = Engine(config)
-        for lay in self.layouts.values():
-            self.engine.register(lay.base_addr, lay.nbytes)
+        self.open_engine(layouts)
         self.session_id = self.engine.session_id
         self._peers: dict[str, _Peer] = {}
         self._by_sock: dict[zmq.Socket, _Peer] = {}
@@ -111,10 +102,6 @@ class KVReceiver(ControlLoop):
         """Drop a finished room's aux data early (the last ``tombstones`` rooms' are kept)."""
         with self.cond:
             self._results.pop(room, None)
-
-    def close(self) -> None:
-        super().close()
-        self.engine.close()
 
     # ---- loop thread -------------------------------------------------------------------------
     def _peer(self, addr: str) -> _Peer:

@@ -24,7 +24,6 @@ import zmq
 from . import messages as m
 from .config import TransferConfig
 from .control import ControlLoop, ReleaseCallback
-from .engine import Engine
 from .layout import EntryLayout, check_compatible, group_transfers
 from .state import Room, RoomStatus
 
@@ -38,15 +37,7 @@ class KVSender(ControlLoop):
 
     def __init__(self, config: TransferConfig, layouts: dict[str, EntryLayout]):
         super().__init__(config)
-        if not layouts:
-            raise ValueError("KVSender needs at least one entry layout")
-        for role, lay in layouts.items():
-            if lay.role != role or not lay.base_addr:
-                raise ValueError(f"layout {role!r}: role must match the key and base_addr be set")
-        self.layouts = dict(layouts)
-        self.engine = Engine(config)
-        for lay in self.layouts.values():
-            self.engine.register(lay.base_addr, lay.nbytes)
+        self.open_engine(layouts)
         self.router = self.socket(zmq.ROUTER)
         if config.bootstrap_port:
             self.router.bind(f"tcp://{config.host}:{config.bootstrap_port}")
@@ -98,10 +89,6 @@ class KVSender(ControlLoop):
         snap = super().stats()
         snap["pending_registrations"] = len(self._pending)
         return snap
-
-    def close(self) -> None:
-        super().close()
-        self.engine.close()
 
     # ---- loop thread -------------------------------------------------------------------------
     def _start(self, room: int, src_pages: dict[str, list[int]], on_release) -> None:

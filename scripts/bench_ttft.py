@@ -290,23 +290,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def finish(out: dict, args) -> int:
     """Write result.json, table.md and plots to --out; print the table or the JSON."""
-    from ttft_lib.report import write_all
+    from ttft_lib.report import SUMMARY_KEYS, write_all
 
     table = write_all(out, args.out, args.plots)
     if args.json:
         print(json.dumps(out))
     else:
         print(table)
-        keys = (
-            "exposed_fraction_pipelined",
-            "groups",
-            "target",
-            "target_met",
-            "serial_overhead",
-            "short_prompt_pipelined_over_serial",
-        )
         for m, h in out["per_model"].items():
-            print(f"{m} @ {h['long_prompt_len']} tok: " + ", ".join(f"{k}={h[k]}" for k in keys))
+            pairs = ", ".join(f"{k}={h[k]}" for k in SUMMARY_KEYS)
+            print(f"{m} @ {h['long_prompt_len']} tok: {pairs}")
     return 0
 
 

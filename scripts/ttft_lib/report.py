@@ -6,6 +6,16 @@ import json
 import os
 from pathlib import Path
 
+# per-model headline keys printed under the table (and by bench_ttft.py without --json)
+SUMMARY_KEYS = (
+    "exposed_fraction_pipelined",
+    "groups",
+    "target",
+    "target_met",
+    "serial_overhead",
+    "short_prompt_pipelined_over_serial",
+)
+
 
 def _f(v, fmt: str, none: str = "–") -> str:
     return none if v is None else format(v, fmt)
@@ -192,16 +202,9 @@ def write_all(out: dict, out_dir: str, plots: bool = True) -> str:
         sweep = group_sweep_plot(rows, out_dir, title)
         if sweep:
             out["plots"].append(sweep)
-    keys = (
-        "exposed_fraction_pipelined",
-        "groups",
-        "target",
-        "target_met",
-        "serial_overhead",
-        "short_prompt_pipelined_over_serial",
-    )
     summary = "\n".join(
-        f"- {m} @ {h['long_prompt_len']} tok: " + ", ".join(f"{k}={_fmt(h[k])}" for k in keys)
+        f"- {m} @ {h['long_prompt_len']} tok: "
+        + ", ".join(f"{k}={_fmt(h[k])}" for k in SUMMARY_KEYS)
         for m, h in out.get("per_model", {}).items()
     )
     md = (

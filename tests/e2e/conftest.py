@@ -23,7 +23,7 @@ MAX_CONTEXT = 512
 MAX_TOKENS_LIMIT = 256
 
 if not os.path.isfile(os.path.join(MODEL, "model.safetensors")):
-    pytest.skip("default model not converted (scripts/setup.sh)", allow_module_level=True)
+    raise RuntimeError(f"default model missing at {MODEL}: run scripts/setup.sh")
 
 
 def free_port() -> int:

@@ -20,13 +20,7 @@ from backends.tokenizer import Tokenizer
 MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "models", "smollm2-135m-instruct")
 PROMPTS = [("What is the capital of France?", True), ("Write a haiku about the sea.", True)]
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not os.path.isfile(os.path.join(MODEL, "model.safetensors")),
-        reason="default model not converted (scripts/convert_smollm2.py)",
-    ),
-]
+pytestmark = pytest.mark.slow  # needs the default model (scripts/setup.sh converts it)
 
 
 def test_self_draft_greedy_equals_target_only():

@@ -16,7 +16,6 @@ import numpy as np
 import triton_python_backend_utils as pb
 
 from backends import triton_glue as g
-from backends.sampler import SamplingParams
 from backends.stage_decode import DecodeEvent, DecodeRequest, DecodeWorker
 from backends.stage_params import from_triton_config
 
@@ -50,15 +49,7 @@ class TritonPythonModel:
 
     def _parse(self, request) -> DecodeRequest:
         s = lambda name, cast: g.scalar(pb, request, name, None, cast)  # noqa: E731
-        seed = s("SEED", int)
-        params = SamplingParams(
-            temperature=s("TEMPERATURE", float),
-            top_p=s("TOP_P", float),
-            top_k=s("TOP_K", int),
-            seed=None if seed < 0 else seed,
-            max_tokens=s("MAX_TOKENS", int),
-            ignore_eos=s("IGNORE_EOS", bool),
-        )
+        params = g.sampling_params(pb, request)
         return DecodeRequest(
             room=s("ROOM", int),
             prompt_ids=g.int_list(pb, request, "PROMPT_IDS"),

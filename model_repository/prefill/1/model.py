@@ -20,7 +20,6 @@ import numpy as np
 import triton_python_backend_utils as pb
 
 from backends import triton_glue as g
-from backends.sampler import SamplingParams
 from backends.stage_params import from_triton_config, instance_index
 from backends.stage_prefill import PrefillRequest, PrefillWorker
 
@@ -54,16 +53,9 @@ class TritonPythonModel:
         return {**self.worker.stats(), "waiting": self.queue.qsize()}
 
     def _parse(self, request) -> PrefillRequest:
-        s = lambda name, cast: g.scalar(pb, request, name, None, cast)  # noqa: E731
-        seed = s("SEED", int)
-        params = SamplingParams(
-            temperature=s("TEMPERATURE", float),
-            top_p=s("TOP_P", float),
-            top_k=s("TOP_K", int),
-            seed=None if seed < 0 else seed,
-            max_tokens=max(1, s("MAX_TOKENS", int)),
-        )
-        return PrefillRequest(s("ROOM", int), g.int_list(pb, request, "PROMPT_IDS"), params)
+        params = g.sampling_params(pb, request, min_max_tokens=1)
+        room = g.scalar(pb, request, "ROOM", None, int)
+        return PrefillRequest(room, g.int_list(pb, request, "PROMPT_IDS"), params)
 
     def execute(self, requests):
         for request in requests:
