@@ -23,7 +23,7 @@ from . import messages as m
 from .config import TransferConfig
 from .engine import Engine
 from .layout import EntryLayout
-from .state import Room, RoomStatus, RoomTable
+from .state import ReleaseCallback, Room, RoomStatus, RoomTable
 from .stats import TransferStats
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 MAX_FRAME_BYTES = 64 << 20
 TICK_S = 0.02
 
-ReleaseCallback = Callable[[int, RoomStatus], None]
+__all__ = ["ControlLoop", "ReleaseCallback", "TransferFailed"]
 
 
 class TransferFailed(RuntimeError):
@@ -158,13 +158,12 @@ class ControlLoop:
 
     def release(self, r: Room) -> None:
         """Call the room's release callback (once) and turn the room into a tombstone."""
-        if r.data.get("released") or not r.status.ended:
+        if r.released or not r.status.ended:
             return
-        r.data["released"] = True
-        cb = r.data.get("on_release")
-        if cb is not None:
+        r.released = True
+        if r.on_release is not None:
             try:
-                cb(r.room, r.status)
+                r.on_release(r.room, r.status)
             except Exception:
                 log.exception("%s: on_release of room %d raised", self.name, r.room)
         with self.cond:  # waiters wake only now: the release callback has run

@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from .config import TransferConfig
 from .layout import Transfer
@@ -129,18 +129,6 @@ class Engine:
         self._regions[addr] = length
 
     # ---- transfers ---------------------------------------------------------------------------
-    def write_sync(self, session: str, transfers: Sequence[Transfer]) -> bool:
-        """Blocking write (chunked batches) — for tools and benchmarks, not the serving path."""
-        step = self.config.max_batch_entries
-        for i in range(0, len(transfers), step):
-            chunk = transfers[i : i + step]
-            rc = self._te.batch_transfer_sync_write(
-                session, [t.src for t in chunk], [t.dst for t in chunk], [t.length for t in chunk]
-            )
-            if rc != 0:
-                return False
-        return True
-
     def submit(self, session: str, transfers: list[Transfer], callback: DoneCallback) -> None:
         """Queue writes; ``callback(ok)`` runs once, on a worker thread, when all have ended."""
         if self._closed:

@@ -3,10 +3,13 @@
 Every ZMQ frame is one msgpack ``Envelope``: ``{v: PROTOCOL_VERSION, p: payload, mac: hmac|None}``
 where ``payload`` is the msgpack of one message of the tagged union :data:`Message`. With a
 shared secret, ``mac`` is HMAC-SHA256(secret, payload), checked with ``hmac.compare_digest``.
-No Python-object serialization, no positional frames.
+No Python-object serialization, no positional frames. Every control message of the product is
+here, the client-cancel side channel (postprocess -> decode) included.
 
 Version history:
   1 — Register / Ack / Complete / Fail / Abort / Ping / Pong; per-entry layout signatures.
+  2 — Cancel (client cancel, postprocess -> decode) joins the union; the separate packed cancel
+      frame format of version 1 deployments is gone.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import hmac
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 Scalar = int | float | str
 ExtraValue = int | float | str | list[Scalar]
@@ -78,7 +81,13 @@ class Pong(msgspec.Struct, tag="pong", frozen=True):
     seq: int
 
 
-Message = Register | Ack | Complete | Fail | Abort | Ping | Pong
+class Cancel(msgspec.Struct, tag="cancel", frozen=True):
+    """postprocess -> decode: the client cancelled the request of this room."""
+
+    room: int
+
+
+Message = Register | Ack | Complete | Fail | Abort | Ping | Pong | Cancel
 
 
 class Envelope(msgspec.Struct, frozen=True):
@@ -129,11 +138,3 @@ def decode(frame: bytes, secret: bytes | None = None) -> Message:
         return _msg_dec.decode(env.p)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise MessageError("garbage", f"bad payload ({e})") from None
-
-
-def try_decode(frame: bytes, secret: bytes | None = None) -> Message | None:
-    """Like :func:`decode` but returns None for any frame that must be dropped."""
-    try:
-        return decode(frame, secret)
-    except MessageError:
-        return None

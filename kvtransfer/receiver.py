@@ -7,9 +7,10 @@ Failure detection: no claim within ``bootstrap_timeout_s``; no completion within
 ``transfer_timeout_s`` after the claim; the claiming peer silent for ``heartbeat_timeout_s``
 (pings every ``heartbeat_interval_s``); or a Fail from prefill. ``on_release`` runs exactly once.
 
-Caveat: after a decode-side failure, prefill is told to abort, but a write already in flight can
-still land in the room's pages shortly after; a caller that reuses those pages at once accepts
-that (the same holds for every RDMA-write design without fencing).
+Write fence: when decode gives up a room that a prefill already claimed, prefill may still have
+writes in flight into the room's pages. The room then ends Failed at once, but ``on_release``
+(which lets the caller reuse the pages) waits for prefill's Fail, which prefill sends only once
+its writes drained, or for the peer to be lost, or for ``transfer_timeout_s``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import zmq
 
@@ -25,6 +27,7 @@ from .config import TransferConfig
 from .control import ControlLoop, ReleaseCallback, TransferFailed
 from .layout import EntryLayout, check_compatible
 from .state import Room, RoomStatus
+from .stats import GroupStat
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,16 @@ class _Peer:
         self.last_rx = time.monotonic()
         self.last_ping = 0.0
         self.seq = 0
+
+
+@dataclass(kw_only=True)
+class ReceiverRoom(Room):
+    addrs: list[str]  # prefill bootstrap addresses the Register went to
+    roles: list[str]  # entries decode registered pages in
+    num_tokens: int
+    claimed_by: str | None = None  # the prefill address that claimed the room (its Ack)
+    stat: GroupStat | None = None  # transfer record, from claim to completion
+    fence_until: float | None = None  # ended by decode while claimed: pages wait for prefill
 
 
 class KVReceiver(ControlLoop):
@@ -114,15 +127,15 @@ class KVReceiver(ControlLoop):
         return p
 
     def _register(self, reg: m.Register, addrs: list[str], on_release) -> None:
-        r = self.rooms.create(reg.room, deadline=time.monotonic() + self.config.bootstrap_timeout_s)
-        roles = [e.role for e in reg.entries]
-        r.data.update(
+        r = ReceiverRoom(
+            room=reg.room,
             on_release=on_release,
+            deadline=time.monotonic() + self.config.bootstrap_timeout_s,
             addrs=addrs,
-            claimed_by=None,
-            roles=roles,
+            roles=[e.role for e in reg.entries],
             num_tokens=reg.num_tokens,
         )
+        self.rooms.add(r)
         for a in addrs:
             self.send(self._peer(a).sock, reg)
 
@@ -136,12 +149,12 @@ class KVReceiver(ControlLoop):
         r = self.rooms.get(room)
         if r is None or not self.advance(r, RoomStatus.Failed, reason):
             return
-        claimed = r.data["claimed_by"]
+        claimed = r.claimed_by
         if abort_reason is not None:  # tell prefill to stop writing
-            for a in [claimed] if claimed else r.data["addrs"]:
+            for a in [claimed] if claimed else r.addrs:
                 self.send(self._peer(a).sock, m.Abort(room, abort_reason))
             if claimed and fence:
-                r.data["fence_until"] = time.monotonic() + self.config.transfer_timeout_s
+                r.fence_until = time.monotonic() + self.config.transfer_timeout_s
                 return
         self.release(r)
 
@@ -158,11 +171,11 @@ class KVReceiver(ControlLoop):
             return
         room = getattr(msg, "room", None)
         r = self.rooms.get(room) if room is not None else None
-        if r is None or peer.addr not in r.data["addrs"]:
+        if r is None or peer.addr not in r.addrs:
             return  # late/duplicate message for an ended or unknown room
-        claimed = r.data["claimed_by"]
+        claimed = r.claimed_by
         if r.status.ended:
-            if "fence_until" in r.data and isinstance(msg, m.Fail) and claimed == peer.addr:
+            if r.fence_until is not None and isinstance(msg, m.Fail) and claimed == peer.addr:
                 self.release(r)  # prefill's writes into the room drained: pages are ours again
             return
         if isinstance(msg, m.Ack):
@@ -177,15 +190,15 @@ class KVReceiver(ControlLoop):
                     self._results[r.room] = (msg.first_token, dict(msg.extra))
                     while len(self._results) > self.config.tombstones:
                         self._results.popitem(last=False)
-                self.transfer_stats.group_done(r.data["stat"], True)
+                self.transfer_stats.group_done(r.stat, True)
                 self.advance(r, RoomStatus.Success)
                 self.release(r)
         else:
             log.warning("kv-receiver: unexpected %s dropped", type(msg).__name__)
 
-    def _on_ack(self, r: Room, peer: _Peer, ack: m.Ack) -> None:
-        r.data["claimed_by"] = peer.addr
-        for role in r.data["roles"]:
+    def _on_ack(self, r: ReceiverRoom, peer: _Peer, ack: m.Ack) -> None:
+        r.claimed_by = peer.addr
+        for role in r.roles:
             sig = ack.signatures.get(role)
             lay = self.layouts[role]
             err = f"prefill has no {role} entry" if sig is None else check_compatible(lay, sig)
@@ -195,21 +208,21 @@ class KVReceiver(ControlLoop):
         self.advance(r, RoomStatus.WaitingForInput)
         r.deadline = time.monotonic() + self.config.transfer_timeout_s
         nbytes = 0  # what prefill will write: the prompt's pages of every entry
-        for role in r.data["roles"]:
+        for role in r.roles:
             lay = self.layouts[role]
-            pages = -(-r.data["num_tokens"] // lay.page_size)
+            pages = -(-r.num_tokens // lay.page_size)
             nbytes += pages * lay.page_bytes * lay.components * lay.num_layers
-        layers = range(0, max(self.layouts[x].num_layers for x in r.data["roles"]))
-        r.data["stat"] = self.transfer_stats.group_submitted(r.room, "all", layers, nbytes, 0)
+        layers = range(0, max(self.layouts[x].num_layers for x in r.roles))
+        r.stat = self.transfer_stats.group_submitted(r.room, "all", layers, nbytes, 0)
 
     def on_tick(self, now: float) -> None:
         cfg = self.config
         active: set[str] = set()
         for r in list(self.rooms.live.values()):
-            claimed = r.data["claimed_by"]
+            claimed = r.claimed_by
             if r.status.ended:  # fenced: waiting for prefill's writes to drain
                 silent = now - self._peers[claimed].last_rx > cfg.heartbeat_timeout_s
-                if "fence_until" in r.data and (silent or now > r.data["fence_until"]):
+                if r.fence_until is not None and (silent or now > r.fence_until):
                     log.warning("kv-receiver: room %d released without drain notice", r.room)
                     self.release(r)
                 continue
@@ -217,9 +230,7 @@ class KVReceiver(ControlLoop):
                 if claimed is None:
                     t = cfg.bootstrap_timeout_s
                     why = f"bootstrap timeout: no prefill claimed the room in {t:g}s"
-                    self._fail(
-                        r.room, f"{why} (asked {', '.join(r.data['addrs'])})", "bootstrap timeout"
-                    )
+                    self._fail(r.room, f"{why} (asked {', '.join(r.addrs)})", "bootstrap timeout")
                 else:
                     why = f"transfer timeout: no completion {cfg.transfer_timeout_s:g}s after claim"
                     self._fail(r.room, why, "decode transfer timeout")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -30,6 +31,28 @@ from .state import Room, RoomStatus
 log = logging.getLogger(__name__)
 
 MAX_PENDING_REGISTRATIONS = 4096
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Decode's registration of a room, once this prefill claimed it."""
+
+    ident: bytes  # decode's ROUTER identity: where Ack / Complete / Fail go
+    reg: m.Register
+    dst: dict[str, EntryLayout]  # decode's layout of each entry (its pool address)
+
+    def dst_pages(self, role: str) -> list[int]:
+        return next(e.pages for e in self.reg.entries if e.role == role)
+
+
+@dataclass(kw_only=True)
+class SenderRoom(Room):
+    src_pages: dict[str, list[int]]  # role -> prefill's pages of the room
+    claim: Claim | None = None  # set once decode's Register for the room is claimed
+    queued: list[tuple[str, range]] = field(default_factory=list)  # groups before the claim
+    outstanding: int = 0  # groups whose writes are in flight
+    finish: tuple[int, dict] | None = None  # (first token, extra) once prefill finished
+    tell_decode: bool = False  # send Fail to decode once the writes drained
 
 
 class KVSender(ControlLoop):
@@ -92,10 +115,9 @@ class KVSender(ControlLoop):
 
     # ---- loop thread -------------------------------------------------------------------------
     def _start(self, room: int, src_pages: dict[str, list[int]], on_release) -> None:
-        r = self.rooms.create(room, deadline=time.monotonic() + self.config.bootstrap_timeout_s)
-        r.data.update(
-            src_pages=src_pages, on_release=on_release, queued=[], outstanding=0, finish=None
-        )
+        deadline = time.monotonic() + self.config.bootstrap_timeout_s
+        r = SenderRoom(room=room, src_pages=src_pages, on_release=on_release, deadline=deadline)
+        self.rooms.add(r)
         self.transfer_stats.room(room)
         aborted = self._aborted.pop(room, None)
         pending = self._pending.pop(room, None)
@@ -104,34 +126,34 @@ class KVSender(ControlLoop):
         elif pending is not None:
             self._claim(r, *pending[:2])
 
-    def _claim(self, r: Room, ident: bytes, reg: m.Register) -> None:
+    def _check_registration(self, r: SenderRoom, reg: m.Register) -> tuple[dict, str | None]:
+        """Decode's layout per entry, or the reason the registration cannot be served."""
         dst: dict[str, EntryLayout] = {}
-        err = None
         for entry in reg.entries:
             local = self.layouts.get(entry.role)
             if local is None:
-                err = f"decode registered entry {entry.role!r} that prefill does not have"
-                break
+                return dst, f"decode registered entry {entry.role!r} that prefill does not have"
             err = check_compatible(local, entry.signature)
             if err:
-                break
+                return dst, err
             try:
                 dst[entry.role] = EntryLayout(
                     **entry.signature, num_pages=entry.num_pages, base_addr=entry.base_addr
                 )
             except (TypeError, ValueError) as e:
-                err = f"entry {entry.role}: bad layout ({e})"
-                break
-            need = len(r.data["src_pages"].get(entry.role, ()))
+                return dst, f"entry {entry.role}: bad layout ({e})"
+            need = len(r.src_pages.get(entry.role, ()))
             if len(entry.pages) < need:
-                err = (
-                    f"entry {entry.role}: decode gave {len(entry.pages)} pages, prefill has {need}"
+                return (
+                    dst,
+                    f"entry {entry.role}: decode gave {len(entry.pages)} pages, prefill has {need}",
                 )
-                break
-        missing = [role for role in r.data["src_pages"] if role not in dst]
-        if err is None and missing:
-            err = f"decode did not register entry {missing[0]!r}"
-        r.data.update(ident=ident, reg=reg, dst=dst)
+        missing = [role for role in r.src_pages if role not in dst]
+        return dst, f"decode did not register entry {missing[0]!r}" if missing else None
+
+    def _claim(self, r: SenderRoom, ident: bytes, reg: m.Register) -> None:
+        dst, err = self._check_registration(r, reg)
+        r.claim = Claim(ident, reg, dst)
         if err is not None:
             self._fail(r.room, f"incompatible layout: {err}", True)
             return
@@ -140,9 +162,9 @@ class KVSender(ControlLoop):
         )
         self.advance(r, RoomStatus.WaitingForInput)
         r.deadline = time.monotonic() + self.config.transfer_timeout_s
-        for role, layers in r.data.pop("queued"):
+        queued, r.queued = r.queued, []
+        for role, layers in queued:
             self._launch(r, role, layers)
-        r.data["queued"] = []
         self._maybe_complete(r)
 
     def _send_group(self, room: int, role: str, layers: range) -> None:
@@ -151,19 +173,22 @@ class KVSender(ControlLoop):
             log.warning("kv-sender: send_group for unknown room %d ignored", room)
         if r is None or r.status.ended:
             return  # the room already ended; its release callback has run / will run
-        if role not in r.data["src_pages"]:
+        if role not in r.src_pages:
             self._fail(room, f"send_group for entry {role!r} the room has no pages in", True)
-        elif "reg" not in r.data:
-            r.data["queued"].append((role, layers))
+        elif r.claim is None:
+            r.queued.append((role, layers))
         else:
             self._launch(r, role, layers)
 
-    def _launch(self, r: Room, role: str, layers: range) -> None:
-        src = r.data["src_pages"][role]
-        entry = next(e for e in r.data["reg"].entries if e.role == role)
+    def _launch(self, r: SenderRoom, role: str, layers: range) -> None:
+        src = r.src_pages[role]
         try:
             transfers = group_transfers(
-                self.layouts[role], r.data["dst"][role], src, entry.pages[: len(src)], layers
+                self.layouts[role],
+                r.claim.dst[role],
+                src,
+                r.claim.dst_pages(role)[: len(src)],
+                layers,
             )
         except (ValueError, IndexError) as e:
             self._fail(r.room, f"bad page table: {e}", True)
@@ -171,42 +196,42 @@ class KVSender(ControlLoop):
         g = self.transfer_stats.group_submitted(
             r.room, role, layers, sum(t.length for t in transfers), len(transfers)
         )
-        r.data["outstanding"] += 1
+        r.outstanding += 1
         self.advance(r, RoomStatus.Transferring)
 
         def done(ok: bool, room=r.room, g=g) -> None:  # on a transfer worker
             self.transfer_stats.group_done(g, ok)
             self.call(self._group_done, room, role, layers, ok)
 
-        self.engine.submit(r.data["reg"].session_id, transfers, done)
+        self.engine.submit(r.claim.reg.session_id, transfers, done)
 
     def _group_done(self, room: int, role: str, layers: range, ok: bool) -> None:
         r = self.rooms.get(room)
         if r is None:
             return
-        r.data["outstanding"] -= 1
+        r.outstanding -= 1
         if not ok:
             where = f"{role} layers {layers.start}-{layers.stop - 1}"
-            self._fail(room, f"transfer failed: {where} to {r.data['reg'].session_id}", True)
+            self._fail(room, f"transfer failed: {where} to {r.claim.reg.session_id}", True)
         if not r.status.ended:
             self._maybe_complete(r)
-        elif r.data["outstanding"] == 0:
+        elif r.outstanding == 0:
             self._drained(r)
 
     def _finish(self, room: int, first_token: int, extra: dict) -> None:
         r = self.rooms.get(room)
         if r is None or r.status.ended:
             return
-        r.data["finish"] = (first_token, extra)
+        r.finish = (first_token, extra)
         self._maybe_complete(r)
 
-    def _maybe_complete(self, r: Room) -> None:
-        if r.status.ended or r.data["finish"] is None or "reg" not in r.data:
+    def _maybe_complete(self, r: SenderRoom) -> None:
+        if r.status.ended or r.finish is None or r.claim is None:
             return
-        if r.data["outstanding"] or r.data["queued"]:
+        if r.outstanding or r.queued:
             return
-        first_token, extra = r.data["finish"]
-        self.send(self.router, m.Complete(r.room, first_token, extra), r.data["ident"])
+        first_token, extra = r.finish
+        self.send(self.router, m.Complete(r.room, first_token, extra), r.claim.ident)
         self.advance(r, RoomStatus.Success)
         self.release(r)
 
@@ -214,15 +239,15 @@ class KVSender(ControlLoop):
         r = self.rooms.get(room)
         if r is None or not self.advance(r, RoomStatus.Failed, reason):
             return
-        r.data["tell"] = tell_decode
-        if r.data["outstanding"] == 0:
+        r.tell_decode = tell_decode
+        if r.outstanding == 0:
             self._drained(r)
 
-    def _drained(self, r: Room) -> None:
+    def _drained(self, r: SenderRoom) -> None:
         """A failed room has no write in flight any more: only now may decode reuse its pages,
         so the Fail goes out here (never earlier), then this side's pages are released."""
-        if r.data.get("tell") and "ident" in r.data:
-            self.send(self.router, m.Fail(r.room, r.reason), r.data["ident"])
+        if r.tell_decode and r.claim is not None:
+            self.send(self.router, m.Fail(r.room, r.reason), r.claim.ident)
         self.release(r)
 
     def on_frames(self, sock: zmq.Socket, frames: list[bytes]) -> None:
@@ -238,25 +263,28 @@ class KVSender(ControlLoop):
         elif isinstance(msg, m.Register):
             self._on_register(ident, msg)
         elif isinstance(msg, m.Abort):
-            if self._pending.get(msg.room, (None,))[0] == ident:
-                del self._pending[msg.room]
-                self._aborted[msg.room] = msg.reason
-                while len(self._aborted) > MAX_PENDING_REGISTRATIONS:
-                    self._aborted.popitem(last=False)
-            r = self.rooms.get(msg.room)
-            if r is not None and r.data.get("ident") == ident and not r.status.ended:
-                # decode holds its pages until our Fail says no write is in flight any more
-                self._fail(msg.room, f"aborted by decode: {msg.reason}", True)
-            elif r is None or r.status.ended and r.data.get("released"):
-                # nothing of ours writes into that room: decode may reuse its pages now
-                self.send(self.router, m.Fail(msg.room, f"room not active: {msg.reason}"), ident)
+            self._on_abort(ident, msg)
         else:
             log.warning("kv-sender: unexpected %s dropped", type(msg).__name__)
+
+    def _on_abort(self, ident: bytes, msg: m.Abort) -> None:
+        if self._pending.get(msg.room, (None,))[0] == ident:
+            del self._pending[msg.room]
+            self._aborted[msg.room] = msg.reason
+            while len(self._aborted) > MAX_PENDING_REGISTRATIONS:
+                self._aborted.popitem(last=False)
+        r = self.rooms.get(msg.room)
+        if r is not None and r.claim is not None and r.claim.ident == ident and not r.status.ended:
+            # decode holds its pages until our Fail says no write is in flight any more
+            self._fail(msg.room, f"aborted by decode: {msg.reason}", True)
+        elif r is None or r.status.ended and r.released:
+            # nothing of ours writes into that room: decode may reuse its pages now
+            self.send(self.router, m.Fail(msg.room, f"room not active: {msg.reason}"), ident)
 
     def _on_register(self, ident: bytes, reg: m.Register) -> None:
         r = self.rooms.get(reg.room)
         if r is not None:
-            if "reg" not in r.data and not r.status.ended:
+            if r.claim is None and not r.status.ended:
                 self._claim(r, ident, reg)
             return  # duplicate registration: ignore
         ended = self.rooms.status(reg.room)
@@ -276,7 +304,7 @@ class KVSender(ControlLoop):
         for r in list(self.rooms.live.values()):
             if r.status.ended or now <= r.deadline:
                 continue
-            if "reg" not in r.data:
+            if r.claim is None:
                 self._fail(r.room, f"bootstrap timeout: decode did not register in {ttl:g}s", True)
             else:
                 t = self.config.transfer_timeout_s

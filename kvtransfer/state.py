@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import enum
 import os
-import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
 
 DEBUG = os.environ.get("KVTRANSFER_DEBUG", "") not in ("", "0")
 
@@ -33,17 +32,20 @@ class TransitionError(RuntimeError):
     pass
 
 
-@dataclass
+ReleaseCallback = Callable[[int, RoomStatus], None]
+
+
+@dataclass(kw_only=True)
 class Room:
-    """One request's transfer on one side. ``data`` holds the side-specific fields."""
+    """One request's transfer on one side; each side subclasses it with its own fields
+    (:class:`~kvtransfer.sender.SenderRoom`, :class:`~kvtransfer.receiver.ReceiverRoom`)."""
 
     room: int
+    on_release: ReleaseCallback | None = None  # runs once, when the room's pages are free
     status: RoomStatus = RoomStatus.Bootstrapping
     reason: str = ""
-    created: float = field(default_factory=time.monotonic)
-    deadline: float = float("inf")
-    ended_at: float | None = None
-    data: dict[str, Any] = field(default_factory=dict)
+    deadline: float = float("inf")  # time.monotonic() by which the current phase must end
+    released: bool = False  # on_release ran; the room is (or is about to be) a tombstone
 
     def advance(self, new: RoomStatus, reason: str = "") -> bool:
         """Move forward; returns False (and changes nothing) for a backwards/ended move."""
@@ -54,8 +56,6 @@ class Room:
         self.status = new
         if new == RoomStatus.Failed:
             self.reason = reason or "failed"
-        if new.ended:
-            self.ended_at = time.monotonic()
         return True
 
 
@@ -67,13 +67,12 @@ class RoomTable:
         self.tombstones: OrderedDict[int, tuple[RoomStatus, str]] = OrderedDict()
         self.max_tombstones = max_tombstones
 
-    def create(self, room: int, **kw: Any) -> Room:
-        if room in self.live:
-            raise KeyError(f"room {room} already exists")
-        if room in self.tombstones:
-            raise KeyError(f"room {room} already ended; room ids must not be reused")
-        r = Room(room, **kw)
-        self.live[room] = r
+    def add(self, r: Room) -> Room:
+        if r.room in self.live:
+            raise KeyError(f"room {r.room} already exists")
+        if r.room in self.tombstones:
+            raise KeyError(f"room {r.room} already ended; room ids must not be reused")
+        self.live[r.room] = r
         return r
 
     def get(self, room: int) -> Room | None:

@@ -20,9 +20,11 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from backends.engine import LLMEngine  # noqa: E402
-from backends.runner import ModelRunner  # noqa: E402
-from backends.sampler import SamplingParams  # noqa: E402
+from backends.runtime.dtypes import MODEL_DTYPES  # noqa: E402
+from backends.runtime.engine import LLMEngine  # noqa: E402
+from backends.runtime.runner import ModelRunner  # noqa: E402
+from backends.runtime.sampler import SamplingParams  # noqa: E402
+from backends.stages.params import StageParams  # noqa: E402
 
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
@@ -42,24 +44,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--ignore-eos", action="store_true")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--dtype", choices=MODEL_DTYPES, default=StageParams.dtype)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=StageParams.page_size)
+    ap.add_argument("--max-batch", type=int, default=StageParams.max_batch)
     ap.add_argument("--json", action="store_true", help="one JSON object per request")
     return ap.parse_args(argv)
 
 
 def load_requests(args: argparse.Namespace) -> list[dict]:
-    defaults = {
-        "chat": args.chat,
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "seed": args.seed,
-        "ignore_eos": args.ignore_eos,
-    }
+    defaults = {"chat": args.chat, **{f: getattr(args, f) for f in SAMPLING_FIELDS}}
     if args.prompt is not None:
         return [{**defaults, "prompt": args.prompt}]
     if args.prompt_ids is not None:
@@ -86,7 +80,7 @@ def main(argv=None) -> int:
     if any("prompt" in r for r in reqs) or os.path.isfile(
         os.path.join(args.model, "tokenizer.json")
     ):
-        from backends.tokenizer import Tokenizer
+        from backends.runtime.tokenizer import Tokenizer
 
         tokenizer = Tokenizer(args.model)
     print(f"[generate] loaded {args.model} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)

@@ -4,9 +4,10 @@
         --set decode.max_batch=8 --set num_pages=256 --instances prefill=2
     python scripts/make_repo.py --out /tmp/repo --set spec_enabled=true --set spec_tokens=3
 
-``--set stage.param=value`` changes one stage; ``--set param=value`` every stage that has the
-parameter (a name no stage has is an error). ``--model DIR`` sets ``model_dir`` everywhere (made
-absolute). Values are checked with the same parser the stages use at load.
+``--set stage.param=value`` changes one stage; ``--set param=value`` every stage that uses the
+parameter (backends/stages/params.py says which; an unknown name is an error). ``--model DIR``
+sets ``model_dir`` everywhere (made absolute). Values are checked with the same parser the
+stages use at load, so a repository that make_repo writes loads.
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from backends.stage_params import parse_params  # noqa: E402
+from backends.stages.params import SCHEMA, STAGES, parse_params, stages_of  # noqa: E402
 
 SRC = os.path.join(ROOT, "model_repository")
-STAGES = ("preprocess", "prefill", "decode", "postprocess")
 _PARAM = r'(parameters:\s*\{{\s*key:\s*"{}"\s*value:\s*\{{\s*string_value:\s*")([^"]*)(")'
 
 
@@ -68,9 +68,9 @@ def make_repo(out: str, model: str | None = None, sets=(), instances=(), src: st
             raise SystemExit(f"--set {item!r}: stage must be one of {STAGES}")
         changes.append((stage or None, name, value))
     for stage, name, value in changes:
-        targets = [stage] if stage else [s for s in STAGES if name in read_params(configs[s])]
-        if not targets:
-            raise SystemExit(f"--set {name}: no stage has this parameter; prefix a stage")
+        if name not in SCHEMA:
+            raise SystemExit(f"--set {name}: unknown parameter; known: {sorted(SCHEMA)}")
+        targets = [stage] if stage else list(stages_of(name))
         for s in targets:
             configs[s] = set_param(configs[s], name, value)
     for item in instances:
@@ -80,7 +80,7 @@ def make_repo(out: str, model: str | None = None, sets=(), instances=(), src: st
         configs[stage] = set_instances(configs[stage], int(n))
     for s, text in configs.items():
         try:
-            parse_params(read_params(text))
+            parse_params(read_params(text), s)
         except ValueError as e:
             raise SystemExit(f"{s}: {e}") from None
         with open(os.path.join(out, s, "config.pbtxt"), "w") as f:

@@ -8,7 +8,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import ROOT, grpc_ask, http_generate, http_generate_stream, metrics
+from triton_harness import ROOT, grpc_ask, http_generate, http_generate_stream, metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

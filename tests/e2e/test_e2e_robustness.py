@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import (
+from triton_harness import (
     MAX_CONTEXT,
     MAX_TOKENS_LIMIT,
     GrpcStream,

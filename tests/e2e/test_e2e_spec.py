@@ -9,16 +9,12 @@ stage, and stops it at the end.
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import pytest
-from conftest import MODEL, grpc_ask, http_generate, launch, metrics, stop, wait_pages_free
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit"))
-from draft_models import hf_greedy_at, mla_target_gqa_draft  # noqa: E402
-from runtime_models import random_prompt  # noqa: E402
+from draft_models import hf_greedy_at, mla_target_gqa_draft
+from runtime_models import random_prompt
+from triton_harness import MODEL, grpc_ask, http_generate, launch, metrics, stop, wait_pages_free
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -44,11 +40,11 @@ def colocated_stats(model_dir: str, spec: dict, prompts: list[list[int]]) -> dic
     """The colocated SpecEngine (same target, same draft, one process) on the same prompts."""
     import torch
 
-    from backends.runner import ModelRunner
-    from backends.sampler import SamplingParams
-    from backends.spec import DraftSpec, SpecEngine
-    from backends.stage_params import StageParams
-    from backends.stage_spec import load_stage_draft, make_draft_pool
+    from backends.runtime.runner import ModelRunner
+    from backends.runtime.sampler import SamplingParams
+    from backends.runtime.spec import DraftSpec, SpecEngine
+    from backends.stages.draft import load_stage_draft, make_draft_pool
+    from backends.stages.params import StageParams
 
     torch.set_num_threads(1)
     params = StageParams(model_dir=model_dir, num_pages=64, page_size=4, **spec)

@@ -1,4 +1,4 @@
-"""scripts/bench_ttft.py end to end: real stage processes, real Mooncake, a tiny sweep, --json."""
+"""scripts/bench/bench_ttft.py end to end: real stage processes, real Mooncake, tiny sweep."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 def test_bench_ttft_tiny_sweep_json(tmp_path):
     cmd = [
         sys.executable,
-        os.path.join(ROOT, "scripts", "bench_ttft.py"),
+        os.path.join(ROOT, "scripts", "bench", "bench_ttft.py"),
         "--models", "kv-heavy",
         "--lengths", "64", "300",
         "--concurrency", "1",

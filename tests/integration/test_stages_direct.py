@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 
 import pytest
-from stagepeer import PrefillProcess
+from runtime_models import checkpoint, hf_greedy, random_prompt
+from stagepeer import Collector, PrefillProcess
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit"))
-from runtime_models import checkpoint, hf_greedy, random_prompt  # noqa: E402
-
-from backends.sampler import SamplingParams  # noqa: E402
-from backends.stage_decode import DecodeRequest, DecodeWorker  # noqa: E402
-from backends.stage_params import StageParams  # noqa: E402
+from backends.runtime.sampler import SamplingParams
+from backends.stages.decode import DecodeWorker
+from backends.stages.params import StageParams
+from backends.stages.request import StageRequest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -32,20 +29,6 @@ def _params(ckpt: str) -> dict:
     )
 
 
-class Collector:
-    def __init__(self):
-        self.events, self.done = [], threading.Event()
-
-    def __call__(self, ev):
-        self.events.append(ev)
-        if ev.final:
-            self.done.set()
-
-    @property
-    def ids(self) -> list[int]:
-        return [t for ev in self.events for t in ev.token_ids]
-
-
 def test_disaggregated_greedy_equals_transformers_and_frees_pages():
     ckpt = checkpoint("llama")
     prefill = PrefillProcess(**_params(ckpt))
@@ -55,12 +38,22 @@ def test_disaggregated_greedy_equals_transformers_and_frees_pages():
         outs, cancel_flag = [], threading.Event()
         for i, ids in enumerate(prompts):  # decode registers first, as in the ensemble
             c = Collector()
-            req = DecodeRequest(100 + i, ids, SamplingParams(max_tokens=12), [prefill.addr])
+            req = StageRequest(
+                room=100 + i,
+                prompt_ids=ids,
+                sampling=SamplingParams(max_tokens=12),
+                bootstrap_addr=prefill.addr,
+                stream=True,
+            )
             decode.submit(req, c)
             outs.append(c)
         # a fifth request is cancelled by its client after its first tokens
-        long_req = DecodeRequest(
-            200, prompts[0], SamplingParams(max_tokens=100, ignore_eos=True), [prefill.addr]
+        long_req = StageRequest(
+            room=200,
+            prompt_ids=prompts[0],
+            sampling=SamplingParams(max_tokens=100, ignore_eos=True),
+            bootstrap_addr=prefill.addr,
+            stream=True,
         )
         cancelled = Collector()
         decode.submit(long_req, cancelled, cancel_flag.is_set)
@@ -94,7 +87,13 @@ def test_decode_refusal_releases_the_prefill_room_at_once():
     decode = DecodeWorker(StageParams(**_params(ckpt)))
     try:
         ids = random_prompt(200, seed=3)
-        req = DecodeRequest(7, ids, SamplingParams(max_tokens=100), [prefill.addr])
+        req = StageRequest(
+            room=7,
+            prompt_ids=ids,
+            sampling=SamplingParams(max_tokens=100),
+            bootstrap_addr=prefill.addr,
+            stream=True,
+        )
         with pytest.raises(ValueError, match="context limit"):
             decode.submit(req, Collector())
         assert decode.pages_in_use == 0

@@ -8,26 +8,23 @@ colocated for the same prompt (bytes), and the colocated SpecEngine's acceptance
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 
 import pytest
 import torch
-from stagepeer import PrefillProcess
+from draft_models import hf_greedy_at, mla_target_gqa_draft
+from runtime_models import checkpoint, random_prompt
+from stagepeer import Collector, PrefillProcess
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit"))
-from draft_models import hf_greedy_at, mla_target_gqa_draft  # noqa: E402
-from runtime_models import checkpoint, random_prompt  # noqa: E402
-
-from backends.kv_pool import KVPool  # noqa: E402
-from backends.runner import ModelRunner  # noqa: E402
-from backends.sampler import SamplingParams  # noqa: E402
-from backends.spec import DraftSpec, SpecEngine  # noqa: E402
-from backends.stage_decode import DecodeRequest, DecodeWorker  # noqa: E402
-from backends.stage_params import StageParams  # noqa: E402
-from backends.stage_spec import load_stage_draft  # noqa: E402
+from backends.runtime.kv_pool import KVPool
+from backends.runtime.runner import ModelRunner
+from backends.runtime.sampler import SamplingParams
+from backends.runtime.spec import DraftSpec, SpecEngine
+from backends.stages.decode import DecodeWorker
+from backends.stages.draft import load_stage_draft
+from backends.stages.params import StageParams
+from backends.stages.request import StageRequest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -60,20 +57,6 @@ def _self_draft() -> tuple[str, dict]:
 # -> (target checkpoint, spec parameters): an MLA target with a GQA draft checkpoint (they agree
 # about half the time), and a GQA target with a self-draft of its first half
 CASES = {"mla-target+gqa-draft": _mla_gqa, "gqa-self-draft": _self_draft}
-
-
-class Collector:
-    def __init__(self):
-        self.events, self.done = [], threading.Event()
-
-    def __call__(self, ev):
-        self.events.append(ev)
-        if ev.final:
-            self.done.set()
-
-    @property
-    def ids(self) -> list[int]:
-        return [t for ev in self.events for t in ev.token_ids]
 
 
 def prompt_kv(pool: KVPool, pages: list[int], n: int) -> torch.Tensor:
@@ -113,7 +96,13 @@ def test_spec_disaggregated_equals_colocated_and_transformers(case):
         for i, ids in enumerate(PROMPTS):  # decode registers first, as in the ensemble
             c = Collector()
             decode.submit(
-                DecodeRequest(300 + i, ids, SamplingParams(max_tokens=MAX_TOKENS), [prefill.addr]),
+                StageRequest(
+                    room=300 + i,
+                    prompt_ids=ids,
+                    sampling=SamplingParams(max_tokens=MAX_TOKENS),
+                    bootstrap_addr=prefill.addr,
+                    stream=True,
+                ),
                 c,
             )
             outs.append(c)
@@ -162,7 +151,16 @@ def test_draft_kv_transfer_failure_fails_the_request_cleanly():
         for room, n in ((11, 9), (12, 21)):
             ids = random_prompt(n, seed=room)
             c = Collector()
-            decode.submit(DecodeRequest(room, ids, SamplingParams(max_tokens=8), [prefill.addr]), c)
+            decode.submit(
+                StageRequest(
+                    room=room,
+                    prompt_ids=ids,
+                    sampling=SamplingParams(max_tokens=8),
+                    bootstrap_addr=prefill.addr,
+                    stream=True,
+                ),
+                c,
+            )
             _, err = prefill.prefill(room, ids)
             assert c.done.wait(30)
             assert c.ids == []  # no token at all, let alone a wrong one
@@ -196,7 +194,16 @@ def test_spec_configuration_mismatch_fails_clearly(case):
     try:
         ids = random_prompt(10, seed=1)
         c = Collector()
-        decode.submit(DecodeRequest(5, ids, SamplingParams(max_tokens=4), [prefill.addr]), c)
+        decode.submit(
+            StageRequest(
+                room=5,
+                prompt_ids=ids,
+                sampling=SamplingParams(max_tokens=4),
+                bootstrap_addr=prefill.addr,
+                stream=True,
+            ),
+            c,
+        )
         prefill.prefill(5, ids)
         assert c.done.wait(30)
         error = c.events[-1].error
@@ -217,7 +224,13 @@ def test_spec_client_cancel_frees_target_and_draft_pages():
     try:
         ids, flag, c = random_prompt(12, seed=9), threading.Event(), Collector()
         sp = SamplingParams(max_tokens=100, ignore_eos=True)
-        decode.submit(DecodeRequest(21, ids, sp, [prefill.addr]), c, flag.is_set)
+        decode.submit(
+            StageRequest(
+                room=21, prompt_ids=ids, sampling=sp, bootstrap_addr=prefill.addr, stream=True
+            ),
+            c,
+            flag.is_set,
+        )
         assert decode.pages_in_use > 0 and prefill.prefill(21, ids)[1] is None
         while len(c.ids) < 4:
             time.sleep(0.01)

@@ -165,7 +165,7 @@ def test_garbage_control_messages_dropped(spawn):
         forged_abort,  # bad HMAC: must not abort room 1
         m.encode(m.Abort(1, "unsigned")),  # no HMAC while a secret is configured
         future,  # unknown protocol version
-        enc.encode({"v": 1, "p": b"\xc1junk", "mac": None}),
+        enc.encode({"v": m.PROTOCOL_VERSION, "p": b"\xc1junk", "mac": None}),
     ]
     for f in frames:
         s.send(f)

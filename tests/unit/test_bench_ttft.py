@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 
+import bench_ttft
 import pytest
+from ttft_lib import analysis as an
+from ttft_lib.report import markdown_table
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-
-import bench_ttft  # noqa: E402
-from ttft_lib import analysis as an  # noqa: E402
-from ttft_lib.report import markdown_table  # noqa: E402
-
-from kvtransfer import LayerGroupPolicy  # noqa: E402
+from kvtransfer import LayerGroupPolicy
 
 
 def test_exposed_fraction_math():

@@ -10,17 +10,17 @@ S = RoomStatus
 
 def test_forward_only_and_failed_sticky(monkeypatch):
     monkeypatch.setattr(state, "DEBUG", False)
-    r = Room(1)
+    r = Room(room=1)
     assert r.advance(S.WaitingForInput) and r.advance(S.Transferring)
     assert not r.advance(S.WaitingForInput) and r.status == S.Transferring  # backwards ignored
-    assert r.advance(S.Failed, "boom") and r.reason == "boom" and r.ended_at is not None
+    assert r.advance(S.Failed, "boom") and r.reason == "boom"
     assert not r.advance(S.Success) and not r.advance(S.Failed, "again")
     assert r.status == S.Failed and r.reason == "boom"
 
 
 def test_skipping_ahead_is_allowed_and_success_is_final(monkeypatch):
     monkeypatch.setattr(state, "DEBUG", False)
-    r = Room(1)
+    r = Room(room=1)
     assert r.advance(S.Success)
     assert not r.advance(S.Failed, "late")
     assert r.status == S.Success
@@ -28,7 +28,7 @@ def test_skipping_ahead_is_allowed_and_success_is_final(monkeypatch):
 
 def test_backwards_raises_in_debug(monkeypatch):
     monkeypatch.setattr(state, "DEBUG", True)
-    r = Room(1, status=S.Transferring)
+    r = Room(room=1, status=S.Transferring)
     with pytest.raises(state.TransitionError):
         r.advance(S.Bootstrapping)
     assert r.advance(S.Transferring) is False  # same state: a no-op, not an error
@@ -41,16 +41,16 @@ def test_order():
 
 def test_table_tombstones_block_recreation_and_are_bounded():
     t = RoomTable(max_tombstones=3)
-    r = t.create(1)
+    r = t.add(Room(room=1))
     with pytest.raises(KeyError):
-        t.create(1)
+        t.add(Room(room=1))
     r.advance(S.Failed, "x")
     t.bury(1)
     assert t.get(1) is None and t.ended(1) and t.status(1) == (S.Failed, "x")
     with pytest.raises(KeyError, match="already ended"):
-        t.create(1)
+        t.add(Room(room=1))
     for room in range(2, 6):
-        t.create(room).advance(S.Success)
+        t.add(Room(room=room)).advance(S.Success)
         t.bury(room)
     assert len(t.tombstones) == 3 and not t.ended(1) and t.ended(5)
     assert t.status(99) is None

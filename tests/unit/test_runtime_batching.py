@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import runtime_models as rm
 
-from backends.engine import LLMEngine
-from backends.runner import ModelRunner
-from backends.sampler import SamplingParams
-from backends.sequence import FinishReason
+from backends.runtime.engine import LLMEngine
+from backends.runtime.runner import ModelRunner
+from backends.runtime.sampler import SamplingParams
+from backends.runtime.sequence import FinishReason
 
 
 @pytest.fixture(scope="module", params=["qwen2", "deepseek_v3"])

@@ -9,11 +9,15 @@ import shutil
 import pytest
 import runtime_models as rm
 
-from backends.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedArchitectureError
-from backends.engine import LLMEngine
-from backends.kv_pool import OutOfPagesError
-from backends.runner import ModelRunner
-from backends.sampler import SamplingParams
+from backends.runtime.config import (
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    UnsupportedArchitectureError,
+)
+from backends.runtime.engine import LLMEngine
+from backends.runtime.kv_pool import OutOfPagesError
+from backends.runtime.runner import ModelRunner
+from backends.runtime.sampler import SamplingParams
 
 
 @pytest.fixture(scope="module")

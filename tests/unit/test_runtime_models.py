@@ -6,9 +6,9 @@ import pytest
 import runtime_models as rm
 import torch
 
-from backends.engine import LLMEngine
-from backends.runner import ModelRunner, SeqInput
-from backends.sampler import SamplingParams
+from backends.runtime.engine import LLMEngine
+from backends.runtime.runner import ModelRunner, SeqInput
+from backends.runtime.sampler import SamplingParams
 
 KINDS = ["llama", "qwen2", "mistral", "deepseek_v3", "deepseek_v2"]
 

@@ -6,7 +6,7 @@ import pytest
 import runtime_models as rm
 import torch
 
-from backends.runner import ModelRunner, SeqInput
+from backends.runtime.runner import ModelRunner, SeqInput
 
 
 @pytest.fixture(scope="module", params=["llama", "deepseek_v3"])

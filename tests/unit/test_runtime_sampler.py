@@ -5,8 +5,8 @@ from __future__ import annotations
 import runtime_models as rm
 import torch
 
-from backends.runner import ModelRunner
-from backends.sampler import SamplingParams, sample
+from backends.runtime.runner import ModelRunner
+from backends.runtime.sampler import SamplingParams, sample
 
 
 def test_greedy_and_top_k_1_pick_argmax():

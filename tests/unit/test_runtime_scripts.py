@@ -9,9 +9,9 @@ import sys
 
 import runtime_models as rm
 
-from backends.engine import LLMEngine
-from backends.runner import ModelRunner
-from backends.sampler import SamplingParams
+from backends.runtime.engine import LLMEngine
+from backends.runtime.runner import ModelRunner
+from backends.runtime.sampler import SamplingParams
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 

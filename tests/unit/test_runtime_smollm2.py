@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from backends.engine import LLMEngine
-from backends.runner import ModelRunner
-from backends.sampler import SamplingParams
-from backends.tokenizer import Tokenizer
+from backends.runtime.engine import LLMEngine
+from backends.runtime.runner import ModelRunner
+from backends.runtime.sampler import SamplingParams
+from backends.runtime.tokenizer import Tokenizer
 
 MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "models", "smollm2-135m-instruct")
 PROMPTS = [
@@ -78,8 +78,10 @@ def test_batched_greedy_matches_transformers(tok, runner, hf_outputs):
     assert seqs[0].output_ids[-1] in runner.config.eos_token_ids  # chat answer ends with EOS
 
 
-def test_incremental_detokenizer_matches_full_decode(tok, hf_outputs):
+def test_text_deltas_of_generated_tokens_concatenate_to_the_full_text(tok, hf_outputs):
+    """Postprocess's stateless deltas (8 earlier tokens as context) rebuild every answer."""
+    from backends.stages.text import text_delta
+
     for ids in hf_outputs:
-        detok = tok.detokenizer()
-        text = "".join(detok.add([t]) for t in ids)
-        assert text == tok.decode(ids)
+        pieces = [text_delta(tok, ids[max(0, i - 8) : i], ids[i : i + 1]) for i in range(len(ids))]
+        assert "".join(pieces) == tok.decode(ids)

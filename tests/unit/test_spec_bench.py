@@ -1,4 +1,4 @@
-"""scripts/bench_spec.py end to end (subprocess, --json) on a tiny checkpoint."""
+"""scripts/bench/bench_spec.py end to end (subprocess, --json) on a tiny checkpoint."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 def test_bench_spec_json():
     args = "--random-prompts 6 --batches 1 3 --draft-layers 1 4 --spec-tokens 2 --max-tokens 8"
     out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "bench_spec.py"), "--model"]
+        [sys.executable, os.path.join(ROOT, "scripts", "bench", "bench_spec.py"), "--model"]
         + [rm.checkpoint("llama")]
         + args.split()
         + ["--runs", "1", "--page-size", "4", "--json"],

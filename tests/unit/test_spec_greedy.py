@@ -10,22 +10,12 @@ import runtime_models as rm
 import spec_models as sm
 import torch
 
-from backends.runner import ModelRunner, SeqInput
-from backends.sequence import FinishReason
-from backends.spec import DraftSpec, SpecEngine, load_draft, self_draft
+from backends.runtime.runner import ModelRunner, SeqInput
+from backends.runtime.sequence import FinishReason
+from backends.runtime.spec import DraftSpec, SpecEngine, load_draft, self_draft
 
 PROMPTS = [rm.random_prompt(n, seed=n) for n in (1, 4, 9, 14, 6)]
 MAX_TOKENS = [20, 9, 16, 3, 12]
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return ModelRunner.load(rm.checkpoint("llama"))
-
-
-@pytest.fixture(scope="module")
-def mla():
-    return ModelRunner.load(rm.checkpoint("deepseek_v3"))
 
 
 def _run_batch(engine, target):

@@ -7,8 +7,7 @@ import runtime_models as rm
 import spec_models as sm
 import torch
 
-from backends.kv_pool import KVPool
-from backends.runner import ModelRunner
+from backends.runtime.kv_pool import KVPool
 
 PROMPTS = [rm.random_prompt(n, seed=10 + n) for n in (5, 11, 3, 17)]
 MAX_TOKENS = 14
@@ -46,16 +45,6 @@ def _prefill_elsewhere(target, draft, engine, prompt, sid, params, with_draft=Tr
         d_src.tensor.index_select(_page_dim(d_src), torch.tensor(d_pages)),
     )
     return engine.add_prefilled(sid, prompt, dst, first, params, draft_pages=d_dst)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return ModelRunner.load(rm.checkpoint("llama"))
-
-
-@pytest.fixture(scope="module")
-def mla():
-    return ModelRunner.load(rm.checkpoint("deepseek_v3"))
 
 
 @pytest.mark.parametrize("case", ["llama+noisy", "mla+gqa"])

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
 import runtime_models as rm
 import spec_models as sm
 import torch
 
-from backends.runner import ModelRunner, SeqInput
-from backends.sampler import SamplingParams
-from backends.spec import accept_sampled, probs
+from backends.runtime.runner import SeqInput
+from backends.runtime.sampler import SamplingParams
+from backends.runtime.spec import accept_sampled, probs
 
 CHI2_999 = {4: 18.47, 5: 20.52}  # chi-square 99.9% quantiles by degrees of freedom
 
@@ -57,11 +56,6 @@ def test_accept_sampled_preserves_target_distribution():
     first = counts[1].sum() / n
     assert abs(float(first) - float(torch.minimum(p[0], q[0]).sum())) < 0.02
     assert 0 < accepted < 2 * n
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return ModelRunner.load(rm.checkpoint("llama"))
 
 
 def test_engine_first_speculated_token_follows_target(llama):

@@ -11,11 +11,11 @@ import os
 
 import pytest
 
-from backends.engine import LLMEngine
-from backends.runner import ModelRunner
-from backends.sampler import SamplingParams
-from backends.spec import DraftSpec, SpecEngine, self_draft
-from backends.tokenizer import Tokenizer
+from backends.runtime.engine import LLMEngine
+from backends.runtime.runner import ModelRunner
+from backends.runtime.sampler import SamplingParams
+from backends.runtime.spec import DraftSpec, SpecEngine, self_draft
+from backends.runtime.tokenizer import Tokenizer
 
 MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "models", "smollm2-135m-instruct")
 PROMPTS = [("What is the capital of France?", True), ("Write a haiku about the sea.", True)]

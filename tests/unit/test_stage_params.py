@@ -1,4 +1,4 @@
-"""Stage parameters, make_repo and text deltas (no Triton, no network)."""
+"""Stage parameters, make_repo, the internal request, preprocessing and text deltas (no Triton)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,15 @@ import os
 import subprocess
 import sys
 
+import msgspec
+import numpy as np
 import pytest
 
-from backends.stage_params import StageParams, from_triton_config, instance_index, parse_params
-from backends.stage_text import text_delta
+from backends.runtime.sampler import SamplingParams
+from backends.stages import metrics, params
+from backends.stages import request as rq
+from backends.stages.params import StageParams, from_triton_config, instance_index, parse_params
+from backends.stages.text import sampling_from, text_delta
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 MODEL = os.path.join(ROOT, "models", "smollm2-135m-instruct")
@@ -57,8 +62,55 @@ def test_bad_parameters_name_the_parameter(raw, words):
 
 def test_triton_config_and_instance_names():
     cfg = {"parameters": {"max_batch": {"string_value": "4"}}}
-    assert from_triton_config(cfg).max_batch == 4
+    assert from_triton_config(cfg, "decode").max_batch == 4
     assert instance_index("prefill_0_1") == 1 and instance_index("decode") == 0
+
+
+def test_a_parameter_the_stage_does_not_use_fails_the_load():
+    cfg = {"parameters": {"max_batch": {"string_value": "4"}}}
+    with pytest.raises(ValueError, match=r"max_batch.*do not apply to stage prefill.*decode"):
+        from_triton_config(cfg, "prefill")
+
+
+def test_defaults_have_one_home():
+    """Transfer and layer-group defaults are the kvtransfer classes' own."""
+    from kvtransfer import LayerGroupPolicy, TransferConfig
+
+    p, tc, lg = StageParams(), TransferConfig(), LayerGroupPolicy()
+    assert p.transfer_config() == tc
+    assert p.policy() == lg
+
+
+def test_generated_references_match_the_docs():
+    """docs/configuration.md and docs/metrics.md hold the tables generated from the schemas
+    (regenerate with scripts/gen_docs.py)."""
+    conf = open(os.path.join(ROOT, "docs", "configuration.md")).read()
+    assert params.reference_table() in conf
+    for name in params.SCHEMA:
+        assert f"`{name}`" in conf
+    assert metrics.reference_table() in open(os.path.join(ROOT, "docs", "metrics.md")).read()
+
+
+def test_request_round_trips_and_rejects_bad_fields():
+    req = rq.StageRequest(room=7, prompt_ids=[1, 2], sampling=SamplingParams(max_tokens=3, seed=5))
+    back = rq.decode(rq.encode(req.with_bootstrap("127.0.0.1:5000")))
+    assert back.sampling == req.sampling and back.bootstrap_addr == "127.0.0.1:5000"
+    bad = msgspec.msgpack.encode({"room": 1, "prompt_ids": [1], "sampling": {"top_p": 5.0}})
+    with pytest.raises(ValueError, match="top_p"):
+        rq.decode(bad)
+    with pytest.raises(ValueError, match="REQUEST"):
+        rq.decode(b"garbage")
+
+
+def test_sampling_inputs_map_by_field_name():
+    sp = sampling_from(
+        {"max_tokens": np.array([5], np.int32), "temperature": np.array([0.5], np.float32),
+         "seed": np.array([-1], np.int64), "ignore_eos": np.array([True]), "text_input": "x"}
+    )  # fmt: skip
+    assert sp == SamplingParams(max_tokens=5, temperature=0.5, seed=None, ignore_eos=True)
+    assert sampling_from({"max_tokens": [3], "seed": [42]}).seed == 42
+    with pytest.raises(ValueError, match="top_k must hold exactly one value"):
+        sampling_from({"max_tokens": [3], "top_k": [1, 2]})
 
 
 def test_make_repo_rewrites_parameters_and_instances(tmp_path):
@@ -87,7 +139,7 @@ def test_make_repo_rewrites_parameters_and_instances(tmp_path):
 
 
 def test_text_delta_pieces_concatenate_to_the_full_text():
-    from backends.tokenizer import Tokenizer
+    from backends.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer(MODEL)
     ids = tok.encode("Café 東京 🙂 naïve — “quotes” and emoji 🎉🎉 end.")

@@ -9,9 +9,9 @@ import sys
 import pytest
 import runtime_models as rm
 
-from backends.runner import ModelRunner
-from backends.stage_params import StageParams, parse_params
-from backends.stage_spec import explain_failure, load_stage_draft, make_draft_pool
+from backends.runtime.runner import ModelRunner
+from backends.stages.draft import explain_failure, load_stage_draft, make_draft_pool
+from backends.stages.params import StageParams, parse_params
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
@@ -36,11 +36,6 @@ def test_defaults_are_off_and_parse():
     assert p.spec_enabled is False and p.draft_path is None
     q = parse_params({"spec_enabled": "true", "draft_model_dir": "x/y", "spec_tokens": "3"})
     assert q.spec_enabled and q.spec_tokens == 3 and os.path.isabs(q.draft_path)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return ModelRunner.load(rm.checkpoint("llama"))  # 4 layers
 
 
 def test_load_stage_draft(llama):
@@ -88,7 +83,7 @@ def test_self_draft_prompt_kv_is_the_targets_first_layers(kind):
     the self-draft over the prompt (GQA and MLA layouts)."""
     import torch
 
-    from backends.stage_spec import copy_prefix_kv, shares_target_layers
+    from backends.stages.draft import copy_prefix_kv, shares_target_layers
 
     target = ModelRunner.load(rm.checkpoint(kind))
     draft = load_stage_draft(StageParams(spec_enabled=True, draft_layers=2), target)

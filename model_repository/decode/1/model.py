@@ -1,4 +1,4 @@
-"""Triton adapter of the decode stage (core: backends.stage_decode.DecodeWorker).
+"""Triton adapter of the decode stage (core: backends.stages.decode.DecodeWorker).
 
 Decoupled: ``execute`` only parses and submits; the worker's loop thread answers through each
 request's response sender (one response per step when streaming, one at the end otherwise).
@@ -12,12 +12,11 @@ import sys
 # project and its virtual environment import (scripts/serve.sh sets PYTHONPATH).
 sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p not in sys.path]
 
-import numpy as np
 import triton_python_backend_utils as pb
 
-from backends import triton_glue as g
-from backends.stage_decode import DecodeEvent, DecodeRequest, DecodeWorker
-from backends.stage_params import from_triton_config
+from backends.stages import triton_glue as g
+from backends.stages.decode import DecodeEvent, DecodeWorker
+from backends.stages.params import from_triton_config
 
 FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -33,7 +32,7 @@ def _emitter(sender, room: int, cancel_addr: str):
         outs = [
             g.out_ids(pb, "OUTPUT_IDS", ev.token_ids),
             g.out_ids(pb, "PREFIX_IDS", ev.prefix_ids),
-            pb.Tensor("ROOM", np.array([room], np.int64)),
+            g.out_int64(pb, "ROOM", room),
             g.out_text(pb, "CANCEL_ADDR", cancel_addr),
         ]
         sender.send(pb.InferenceResponse(output_tensors=outs), flags=FINAL if ev.final else 0)
@@ -44,31 +43,19 @@ def _emitter(sender, room: int, cancel_addr: str):
 class TritonPythonModel:
     def initialize(self, args):
         g.setup_env()
-        self.worker = DecodeWorker(from_triton_config(args["model_config"]))
+        self.worker = DecodeWorker(from_triton_config(args["model_config"], "decode"))
         self.metrics = g.StageMetrics(pb, "decode", args["model_instance_name"], self.worker.stats)
-
-    def _parse(self, request) -> DecodeRequest:
-        s = lambda name, cast: g.scalar(pb, request, name, None, cast)  # noqa: E731
-        params = g.sampling_params(pb, request)
-        return DecodeRequest(
-            room=s("ROOM", int),
-            prompt_ids=g.int_list(pb, request, "PROMPT_IDS"),
-            params=params,
-            bootstrap_addrs=[g.text(pb, request, "PREFILL_ADDR")],
-            stream=s("STREAM", bool),
-        )
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             try:
-                req = self._parse(request)
+                req = g.stage_request(pb, request)
                 emit = _emitter(sender, req.room, self.worker.cancel_addr)
                 self.worker.submit(req, emit, sender.is_cancelled)
             except (ValueError, TypeError) as e:
-                sender.send(
-                    g.error_response(pb, f"decode: invalid request: {e}", True), flags=FINAL
-                )
+                error = g.error_response(pb, f"decode: invalid request: {e}", True)
+                sender.send(error, flags=FINAL)
         return None
 
     def finalize(self):

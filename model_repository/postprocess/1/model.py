@@ -1,4 +1,4 @@
-"""Triton adapter of the postprocess stage: token ids -> the text they add."""
+"""Triton adapter of the postprocess stage (core: backends.stages.text.Postprocessor)."""
 
 # ruff: noqa: E402
 import os
@@ -10,37 +10,37 @@ sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if
 
 import triton_python_backend_utils as pb
 
-from backends import triton_glue as g
-from backends.cancel_channel import CancelSender
-from backends.stage_params import from_triton_config
-from backends.stage_text import text_delta
-from backends.tokenizer import Tokenizer
+from backends.stages import triton_glue as g
+from backends.stages.params import from_triton_config
+from backends.stages.text import Postprocessor
 
 
 class TritonPythonModel:
     def initialize(self, args):
         g.setup_env()
-        params = from_triton_config(args["model_config"])
-        self.tok = Tokenizer(params.model_path)
-        self.cancels = CancelSender(params.shared_secret.encode() or None)
+        self.post = Postprocessor(from_triton_config(args["model_config"], "postprocess"))
+
+    def _cancel(self, request):
+        """The client cancelled: stop decode for this room (ensembles do not cancel the running
+        decode step), and answer with an empty response (an error here leaves the 2.51
+        ensemble in flight)."""
+        try:
+            room = int(g.get(pb, request, "ROOM").reshape(-1)[0])
+            self.post.cancel(g.text(pb, request, "CANCEL_ADDR"), room)
+        except Exception as e:
+            pb.Logger.log_warn(f"postprocess: forwarding a cancel failed: {e}")
+        empty = [g.out_text(pb, "text_output", ""), g.out_ids(pb, "output_ids", [])]
+        return pb.InferenceResponse(output_tensors=empty)
 
     def execute(self, requests):
         responses = []
         for request in requests:
-            if request.is_cancelled():  # the client cancelled: stop decode for this room
-                try:
-                    room = g.scalar(pb, request, "ROOM", None, int)
-                    self.cancels.cancel(g.text(pb, request, "CANCEL_ADDR"), room)
-                except Exception as e:
-                    pb.Logger.log_warn(f"postprocess: forwarding a cancel failed: {e}")
-                # a normal (empty) response: an error here leaves the 2.51 ensemble in flight
-                empty = [g.out_text(pb, "text_output", ""), g.out_ids(pb, "output_ids", [])]
-                responses.append(pb.InferenceResponse(output_tensors=empty))
+            if request.is_cancelled():
+                responses.append(self._cancel(request))
                 continue
             ids = g.int_list(pb, request, "OUTPUT_IDS")
-            prefix = g.int_list(pb, request, "PREFIX_IDS")
             try:
-                delta = text_delta(self.tok, prefix, ids)
+                delta = self.post.text(g.int_list(pb, request, "PREFIX_IDS"), ids)
             except Exception as e:
                 responses.append(g.error_response(pb, f"detokenization failed: {e}"))
                 continue
@@ -49,4 +49,4 @@ class TritonPythonModel:
         return responses
 
     def finalize(self):
-        self.cancels.close()
+        self.post.close()

@@ -1,0 +1,214 @@
+"""Colocated LLM engine: continuous batching over one ModelRunner and one KVPool.
+
+Each :meth:`LLMEngine.step`:
+
+1. admits waiting sequences in FIFO order while the batch has room and the pool has the pages
+   the sequence can ever need (``prompt + max_tokens - 1`` KV slots, reserved up front so a
+   running sequence never runs out of pages). A normal request is prefilled now and samples its
+   first token; a sequence added with :meth:`add_prefilled` (prompt KV received from a prefill
+   server) already has its first token. Either way that first token is reported by this step.
+2. decodes every sequence that was already running, as ONE batched forward (one token each).
+
+Every output token is reported by exactly one step. A sequence finishes on EOS (unless
+``ignore_eos``) or ``max_tokens``; its pages are freed exactly once (also on :meth:`abort`).
+
+Context limit policy: a request is rejected (ValueError) unless
+``len(prompt) + max_tokens <= max_context``, so an admitted sequence always runs to completion.
+
+Not thread-safe: one thread drives the engine (the serving layer owns the loop).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_pool import KVPool
+from .runner import ModelRunner
+from .sampler import SamplingParams, sample
+from .sequence import FinishReason, SeqStatus, Sequence, check_context
+
+
+@dataclass
+class StepOutput:
+    new_tokens: dict[str, list[int]] = field(default_factory=dict)  # seq_id -> tokens this step
+    finished: list[Sequence] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        pool: KVPool,
+        max_batch: int = 16,
+        max_context: int | None = None,
+    ):
+        if not isinstance(max_batch, int) or max_batch <= 0:
+            raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
+        limit = runner.config.max_position_embeddings
+        max_context = limit if max_context is None else max_context
+        if not isinstance(max_context, int) or not 0 < max_context <= limit:
+            raise ValueError(
+                f"max_context must be an integer in [1, {limit}] (max_position_embeddings), "
+                f"got {max_context!r}"
+            )
+        self.runner, self.pool = runner, pool
+        self.max_batch, self.max_context = max_batch, max_context
+        self.eos_ids = runner.config.eos_token_ids
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.seqs: dict[str, Sequence] = {}
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _validate(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence id {seq_id!r} is already in the engine")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        if not prompt_ids:
+            raise ValueError("prompt is empty: at least one token is required")
+        vocab = self.runner.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
+        check_context(len(prompt_ids), params.max_tokens, self.max_context)
+        need = self.pool.pages_needed(len(prompt_ids) + params.max_tokens - 1)
+        if need > self.pool.num_pages:
+            raise ValueError(
+                f"request needs {need} KV pages but the pool only has {self.pool.num_pages}"
+            )
+
+    def add_request(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue a request; the engine prefills it when admitted."""
+        self._validate(seq_id, prompt_ids, params)
+        seq = Sequence(seq_id, list(prompt_ids), params)
+        seq.generator = params.make_generator(self.runner.device)
+        self.seqs[seq_id] = seq
+        self.waiting.append(seq)
+        return seq
+
+    def add_prefilled(
+        self,
+        seq_id: str,
+        prompt_ids: list[int],
+        pages: list[int],
+        first_token: int,
+        params: SamplingParams,
+        draft_pages: list[int] | None = None,
+    ) -> Sequence:
+        """Queue a sequence whose prompt KV is already in ``pages`` of this pool.
+
+        The engine takes ownership of ``pages`` (allocated from this pool by the caller) and
+        frees them when the sequence ends. ``first_token`` was sampled by the prefill side.
+        ``draft_pages``: the prompt's draft KV, for an engine with a draft model (SpecEngine).
+        """
+        self._validate(seq_id, prompt_ids, params)
+        self.pool.check_holds(len(prompt_ids), pages)
+        self._check_draft_pages(len(prompt_ids), draft_pages)
+        if not 0 <= first_token < self.runner.config.vocab_size:
+            raise ValueError(f"first_token {first_token} outside the vocabulary")
+        seq = Sequence(seq_id, list(prompt_ids), params, pages=list(pages), prefilled=True)
+        seq.generator = params.make_generator(self.runner.device)
+        seq.output_ids.append(first_token)
+        self._adopt_draft_pages(seq, draft_pages)
+        self.seqs[seq_id] = seq
+        self.waiting.append(seq)
+        return seq
+
+    def _check_draft_pages(self, prompt_tokens: int, draft_pages: list[int] | None) -> None:
+        if draft_pages is not None:
+            raise ValueError("this engine has no draft model: draft_pages must be None")
+
+    def _adopt_draft_pages(self, seq: Sequence, draft_pages: list[int] | None) -> None:
+        pass
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        """Stop a sequence now and free its pages; None if it is unknown or already done."""
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            return None
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.finish_reason = FinishReason.ABORT
+        self._release(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling --------------------------------------------------------------------------
+    def _release(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.FINISHED
+        self.seqs.pop(seq.seq_id, None)
+        pages, seq.pages = seq.pages, []
+        if pages:
+            self.pool.free(pages)
+
+    def _emit(self, seq: Sequence, token: int, out: StepOutput) -> None:
+        done = seq.append(token, self.eos_ids)
+        out.new_tokens.setdefault(seq.seq_id, []).append(token)
+        if done:
+            if seq in self.running:
+                self.running.remove(seq)
+            self._release(seq)
+            out.finished.append(seq)
+
+    # Hooks a speculative engine (backends.runtime.spec) overrides: reserve pages, prefill, decode.
+    def _can_reserve(self, seq: Sequence) -> bool:
+        return self.pool.pages_needed(seq.max_kv_tokens) - len(seq.pages) <= self.pool.num_free
+
+    def _reserve(self, seq: Sequence) -> None:
+        extra = self.pool.pages_needed(seq.max_kv_tokens) - len(seq.pages)
+        if extra > 0:
+            seq.pages += self.pool.alloc(extra)
+
+    def _prefill(self, seq: Sequence) -> int:
+        """Prefill a newly admitted (not prefilled) sequence; returns its first token."""
+        logits = self.runner.prefill(self.pool, seq.prompt_ids, seq.pages)
+        return sample(logits[None], [seq.params], [seq.generator])[0]
+
+    def _decode(self, decoding: list[Sequence], out: StepOutput) -> None:
+        """Advance every already-running sequence (one token each here)."""
+        logits = self.runner.decode(
+            self.pool,
+            [s.output_ids[-1] for s in decoding],
+            [s.num_tokens - 1 for s in decoding],
+            [s.pages for s in decoding],
+        )  # [B, vocab]
+        tokens = sample(logits, [s.params for s in decoding], [s.generator for s in decoding])
+        for seq, token in zip(decoding, tokens, strict=True):
+            self._emit(seq, token, out)
+
+    def _admit(self, out: StepOutput) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            if not self._can_reserve(seq):
+                break  # FIFO: later requests wait too, so big ones are not starved
+            self.waiting.popleft()
+            self._reserve(seq)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            if seq.prefilled:  # the first token came with the KV: report it, check stops
+                self._emit(seq, seq.output_ids.pop(), out)
+                continue
+            self._emit(seq, self._prefill(seq), out)
+
+    def step(self) -> StepOutput:
+        out = StepOutput()
+        decoding = list(self.running)  # sequences admitted before this step
+        self._admit(out)
+        if decoding:
+            self._decode(decoding, out)
+        return out
+
+    def generate(
+        self, requests: list[tuple[list[int], SamplingParams]], prefix: str = "gen"
+    ) -> list[Sequence]:
+        """Run requests to completion (batched); returns their sequences in request order."""
+        seqs = [self.add_request(f"{prefix}-{i}", p, sp) for i, (p, sp) in enumerate(requests)]
+        while self.has_unfinished():
+            self.step()
+        return seqs

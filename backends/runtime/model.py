@@ -1,0 +1,67 @@
+"""The decoder-only causal LM: embedding, decoder layers, final norm, LM head.
+
+Works on flattened token batches (``[T, hidden]``) with a
+:class:`~backends.runtime.paged.BatchMeta`; layers can be run in ranges so a caller can act
+between layer groups (KV streaming).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .attention import GQAAttention, MLAAttention
+from .config import ModelConfig
+from .layers import MLP, MoE, RMSNorm
+from .paged import BatchMeta
+from .rope import RotaryEmbedding
+from .weights import WeightReader
+
+
+class DecoderLayer:
+    def __init__(self, cfg: ModelConfig, w: WeightReader, i: int, rope: RotaryEmbedding):
+        p = f"model.layers.{i}"
+        attn_cls = GQAAttention if cfg.attn == "gqa" else MLAAttention
+        self.attn = attn_cls(cfg, w, f"{p}.self_attn", rope)
+        self.mlp = MoE(cfg, w, f"{p}.mlp") if cfg.is_moe_layer(i) else MLP(w, f"{p}.mlp")
+        eps = cfg.rms_norm_eps
+        self.input_norm = RMSNorm(w.get(f"{p}.input_layernorm.weight"), eps)
+        self.post_norm = RMSNorm(w.get(f"{p}.post_attention_layernorm.weight"), eps)
+
+    def __call__(self, h: torch.Tensor, meta: BatchMeta, kv: torch.Tensor) -> torch.Tensor:
+        # h: [T, hidden]
+        h = h + self.attn(self.input_norm(h), meta, kv)
+        return h + self.mlp(self.post_norm(h))
+
+
+class CausalLM:
+    def __init__(self, cfg: ModelConfig, w: WeightReader, device, dtype: torch.dtype):
+        self.cfg = cfg
+        self.embed_tokens = w.get("model.embed_tokens.weight")  # [V, hidden]
+        if cfg.tie_word_embeddings or not w.has("lm_head.weight"):
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = w.get("lm_head.weight")  # [V, hidden]
+        self.rope = RotaryEmbedding(cfg.rope, cfg.max_position_embeddings, device, dtype)
+        self.layers = [DecoderLayer(cfg, w, i, self.rope) for i in range(cfg.num_layers)]
+        self.norm = RMSNorm(w.get("model.norm.weight"), cfg.rms_norm_eps)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        # token_ids: [T] -> [T, hidden]
+        if token_ids.numel() and (
+            int(token_ids.min()) < 0 or int(token_ids.max()) >= self.cfg.vocab_size
+        ):
+            raise ValueError(f"token id outside the vocabulary [0, {self.cfg.vocab_size})")
+        return F.embedding(token_ids, self.embed_tokens)
+
+    def run_layers(
+        self, h: torch.Tensor, meta: BatchMeta, pool: torch.Tensor, start: int, end: int
+    ) -> torch.Tensor:
+        """Layers [start, end); pool: the whole entry buffer, indexed by layer first."""
+        for i in range(start, end):
+            h = self.layers[i](h, meta, pool[i])
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        # h: [T, hidden] -> [T, V] float32
+        return F.linear(self.norm(h), self.lm_head).float()

@@ -1,0 +1,168 @@
+"""ModelRunner: load a checkpoint and run prefill / batched extend over a paged KV pool.
+
+No scheduling here (see :mod:`backends.runtime.engine`); the runner only turns (tokens, positions,
+pages) into logits and KV writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtransfer.layout import EntryLayout
+
+from .config import ModelConfig
+from .dtypes import model_dtype
+from .kv_pool import KVPool
+from .model import CausalLM
+from .paged import BatchMeta
+from .weights import WeightReader, load_weights
+
+
+@dataclass
+class SeqInput:
+    """New tokens of one sequence: written at positions [start_pos, start_pos + len)."""
+
+    token_ids: list[int]
+    start_pos: int
+    pages: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, model: CausalLM, dtype: str, device: str):
+        self.config = config
+        self.model = model
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+    @classmethod
+    def load(
+        cls,
+        path: str,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        num_layers: int | None = None,
+    ) -> ModelRunner:
+        """Load ``path``; ``num_layers=K`` keeps the first K layers (a self-draft model)."""
+        torch_dtype = model_dtype(dtype)
+        config = ModelConfig.from_pretrained(path)
+        if num_layers is not None:
+            config = config.truncated(num_layers)
+        tensors = load_weights(path, config.num_layers, torch_dtype, device)
+        model = CausalLM(config, WeightReader(tensors, path), device, torch_dtype)
+        return cls(config, model, dtype, device)
+
+    # ---- KV pool -----------------------------------------------------------------------------
+    def entry_layout(self, num_pages: int, page_size: int, role: str = "target") -> EntryLayout:
+        c = self.config
+        if c.attn == "gqa":  # per token and layer: K and V of every KV head
+            shape = dict(kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+        else:  # per token and layer: one latent [c_kv | k_pe]
+            rank, rope = c.kv_lora_rank, c.qk_rope_head_dim
+            shape = dict(kv_heads=1, head_dim=rank + rope, kv_lora_rank=rank, rope_dim=rope)
+        return EntryLayout(
+            role=role,
+            attn=c.attn,
+            dtype=self.dtype,
+            page_size=page_size,
+            num_layers=c.num_layers,
+            num_pages=num_pages,
+            **shape,
+        )
+
+    def make_pool(self, num_pages: int, page_size: int, role: str = "target") -> KVPool:
+        return KVPool(self.entry_layout(num_pages, page_size, role), self.device)
+
+    def _check_pool(self, pool: KVPool) -> None:
+        want = self.entry_layout(pool.num_pages, pool.page_size, pool.layout.role).signature()
+        if pool.layout.signature() != want:
+            raise ValueError(f"pool layout {pool.layout.signature()} does not fit this model")
+
+    def _meta(self, pool: KVPool, seqs: list[tuple[int, int, list[int]]]) -> BatchMeta:
+        limit = self.config.max_position_embeddings
+        for start, n, _ in seqs:
+            if start < 0 or start + n > limit:
+                raise ValueError(
+                    f"positions [{start}, {start + n}) outside [0, {limit}) "
+                    f"(max_position_embeddings)"
+                )
+        return BatchMeta.build(
+            seqs, pool.page_size, pool.num_pages, self.device, self.config.sliding_window
+        )
+
+    def _ids(self, token_ids: list[int]) -> torch.Tensor:
+        return torch.tensor(token_ids, dtype=torch.long, device=self.device)
+
+    # ---- forward passes ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(
+        self,
+        pool: KVPool,
+        token_ids: list[int],
+        pages: list[int],
+        groups: list[tuple[int, int]] | None = None,
+        on_group: Callable[[int, int], None] | None = None,
+        start_pos: int = 0,
+    ) -> torch.Tensor:
+        """Run ``token_ids`` at [start_pos, ...) layer group by layer group.
+
+        After each group (a, b) the KV of layers [a, b) is in the pool and ``on_group(a, b)`` is
+        called. Returns the last position's logits [vocab] float32.
+        """
+        self._check_pool(pool)
+        if not token_ids:
+            raise ValueError("prefill needs at least one token")
+        n = self.config.num_layers
+        groups = groups if groups is not None else [(0, n)]
+        expect = 0
+        for a, b in groups:
+            if a != expect or not a < b <= n:
+                raise ValueError(f"groups must tile [0, {n}) in order, got {groups}")
+            expect = b
+        if expect != n:
+            raise ValueError(f"groups must tile [0, {n}) in order, got {groups}")
+        meta = self._meta(pool, [(start_pos, len(token_ids), pages)])
+        h = self.model.embed(self._ids(token_ids))  # [T, hidden]
+        for a, b in groups:
+            h = self.model.run_layers(h, meta, pool.tensor, a, b)
+            if on_group is not None:
+                on_group(a, b)
+        return self.model.logits(h[-1:])[0]
+
+    @torch.inference_mode()
+    def forward(
+        self, pool: KVPool, seqs: list[SeqInput], last_only: bool = False
+    ) -> list[torch.Tensor]:
+        """Batched extend: per sequence logits [len(token_ids), vocab] float32.
+
+        ``last_only``: only each sequence's last position, [1, vocab] (skips the LM head on the
+        others; a draft model catching up several tokens needs only the last one).
+        """
+        self._check_pool(pool)
+        meta = self._meta(pool, [(s.start_pos, len(s.token_ids), s.pages) for s in seqs])
+        ids = self._ids([t for s in seqs for t in s.token_ids])
+        h = self.model.embed(ids)  # [T, hidden]
+        h = self.model.run_layers(h, meta, pool.tensor, 0, self.config.num_layers)
+        if last_only:
+            ends = torch.tensor(meta.lengths, device=self.device).cumsum(0) - 1  # [B]
+            return list(self.model.logits(h[ends]).split(1))  # B x [1, vocab]
+        logits = self.model.logits(h)  # [T, vocab]
+        return list(logits.split(meta.lengths))
+
+    def decode(
+        self,
+        pool: KVPool,
+        tokens: list[int],
+        positions: list[int],
+        page_tables: list[list[int]],
+    ) -> torch.Tensor:
+        """One new token per sequence -> logits [B, vocab] float32."""
+        if not len(tokens) == len(positions) == len(page_tables):
+            raise ValueError("tokens, positions and page_tables must have the same length")
+        seqs = [
+            SeqInput([t], p, pt) for t, p, pt in zip(tokens, positions, page_tables, strict=True)
+        ]
+        return torch.cat(self.forward(pool, seqs))

@@ -1,0 +1,74 @@
+"""One request's state inside the engine: tokens, pages, sampling RNG, lifecycle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+
+from .sampler import SamplingParams
+
+
+def check_context(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
+    """The context-limit rule, checked here only: ``prompt + max_tokens <= max_context``, so an
+    admitted request always runs to completion. ValueError otherwise."""
+    total = prompt_tokens + max_tokens
+    if total > max_context:
+        raise ValueError(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total}"
+            f" exceeds the context limit of {max_context} tokens"
+        )
+
+
+class SeqStatus(IntEnum):
+    WAITING = 0  # queued; holds pages only if its prompt KV was prefilled elsewhere
+    RUNNING = 1  # holds all pages it will need; decodes one token per step
+    FINISHED = 2  # pages returned to the pool
+
+
+class FinishReason:
+    STOP = "stop"  # sampled an EOS token
+    LENGTH = "length"  # reached max_tokens
+    ABORT = "abort"
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    prefilled: bool = False  # prompt KV already in ``pages`` (disaggregated decode)
+    generator: torch.Generator | None = None
+    # speculative decoding (backends.runtime.spec): the draft model's pages and KV progress
+    draft_pages: list[int] = field(default_factory=list)
+    draft_len: int = 0  # positions [0, draft_len) hold valid draft KV
+    num_proposed: int = 0  # draft tokens proposed / accepted, target verify steps
+    num_accepted: int = 0
+    num_verify_steps: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """KV slots the sequence can ever need (the last sampled token is never fed back)."""
+        return len(self.prompt_ids) + self.params.max_tokens - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+    def append(self, token: int, eos_ids: tuple[int, ...]) -> bool:
+        """Add a sampled token; returns True when the sequence is now done."""
+        self.output_ids.append(token)
+        if not self.params.ignore_eos and token in eos_ids:
+            self.finish_reason = FinishReason.STOP
+        elif len(self.output_ids) >= self.params.max_tokens:
+            self.finish_reason = FinishReason.LENGTH
+        return self.finish_reason is not None

@@ -1,0 +1,305 @@
+"""Speculative decoding: a draft model proposes k tokens, the target verifies them in one forward.
+
+:class:`SpecEngine` is an :class:`~backends.runtime.engine.LLMEngine` whose every sequence
+holds pages in two pools: the target's and the draft's (each with its own layout, e.g. an MLA
+target and a GQA draft). Each :meth:`~backends.runtime.engine.LLMEngine.step` advances every
+running sequence by one to ``k + 1`` tokens:
+
+1. **propose**: the draft runs ``k`` batched forwards (its first forward also catches up the
+   tokens whose draft KV is missing: the previous step's correction / bonus token, a fully
+   accepted last draft token, or a whole prompt whose draft KV never arrived);
+2. **verify**: one batched target forward over ``[last token, d_1 .. d_k]`` at positions
+   ``[n - 1, n + k)`` gives ``k + 1`` distributions;
+3. **accept**: greedy keeps the longest prefix equal to the target's argmax plus the target's
+   token at the first mismatch (or the bonus token); sampling uses speculative rejection
+   sampling (accept ``d_j`` with ``min(1, p/q)``, else resample from ``norm(max(0, p - q))``;
+   bonus from ``p``), with temperature / top-k / top-p applied identically to ``p`` and ``q``
+   and every random draw taken from the request's seeded generator.
+
+Rejected positions are rolled back by length only: their KV stays in the pages as stale data
+that the next write overwrites. ``k`` is clamped per sequence to ``max_tokens - emitted - 1``, so
+no write goes past ``prompt + max_tokens - 1`` KV slots: the page reservation of the plain engine
+covers the speculative positions too, and nothing reaches ``max_context``.
+
+Usage (decode stage)::
+
+    draft = load_draft(target, num_layers=K)            # or load_draft(target, path=DIR)
+    engine = SpecEngine(target, target.make_pool(n, ps),
+                        DraftSpec(draft, draft.make_pool(n, ps, role="draft"), num_spec_tokens=k))
+    engine.add_prefilled(sid, prompt, pages, first, params, draft_pages=dpages)
+    out = engine.step()                                 # StepOutput, 1..k+1 tokens per sequence
+
+where the prefill side produced ``dpages`` with ``draft.prefill(draft_pool, prompt, pages)``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from .engine import LLMEngine, StepOutput
+from .kv_pool import KVPool
+from .runner import ModelRunner, SeqInput
+from .sampler import SamplingParams, _filter
+from .sequence import Sequence
+
+# ---- draft models ------------------------------------------------------------------------------
+
+
+def self_draft(target: ModelRunner, num_layers: int) -> ModelRunner:
+    """The target's first ``num_layers`` layers + its final norm and LM head, sharing weights."""
+    config = target.config.truncated(num_layers)
+    model = copy.copy(target.model)  # shallow: every tensor is the target's own
+    model.cfg = config
+    model.layers = target.model.layers[:num_layers]
+    return ModelRunner(config, model, target.dtype, str(target.device))
+
+
+def load_draft(
+    target: ModelRunner, path: str | None = None, num_layers: int | None = None
+) -> ModelRunner:
+    """A draft for ``target``: the checkpoint at ``path``, or a ``num_layers`` self-draft."""
+    if (path is None) == (num_layers is None):
+        raise ValueError("give exactly one of a draft checkpoint path or self-draft num_layers")
+    if num_layers is not None:
+        return self_draft(target, num_layers)
+    draft = ModelRunner.load(path, dtype=target.dtype, device=str(target.device))
+    check_compatible(target, draft)
+    return draft
+
+
+def check_compatible(target: ModelRunner, draft: ModelRunner) -> None:
+    t, d = target.config, draft.config
+    if t.vocab_size != d.vocab_size:
+        raise ValueError(
+            f"draft vocabulary ({d.vocab_size} tokens) differs from the target's "
+            f"({t.vocab_size}): the draft must share the target's tokenizer"
+        )
+    if draft.device != target.device:
+        raise ValueError(f"draft on {draft.device} but target on {target.device}")
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """The draft side of a :class:`SpecEngine`: its runner, its own KV pool, and k."""
+
+    runner: ModelRunner
+    pool: KVPool
+    num_spec_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        k = self.num_spec_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"num_spec_tokens must be an integer >= 1, got {k!r}")
+        self.runner._check_pool(self.pool)
+
+
+@dataclass
+class SpecStats:
+    verify_steps: int = 0  # (sequence, target verify forward) pairs
+    proposed: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens the target accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verify step: accepted drafts + the correction / bonus token."""
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "verify_steps": self.verify_steps,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+        }
+
+
+# ---- acceptance rules --------------------------------------------------------------------------
+
+
+def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [n, V] -> sampling distribution [n, V] (temperature, top-k, top-p applied)."""
+    rows = [_filter(r.float() / params.temperature, params.top_k, params.top_p) for r in logits]
+    return torch.stack(rows).softmax(-1)
+
+
+def _draw(p: torch.Tensor, g: torch.Generator | None) -> int:
+    return int(torch.multinomial(p, 1, generator=g))
+
+
+def _uniform(device: torch.device, g: torch.Generator | None) -> float:
+    return float(torch.rand((), device=device, generator=g))
+
+
+def accept_greedy(target_logits: torch.Tensor, drafts: list[int]) -> tuple[list[int], int]:
+    """target_logits [k+1, V] -> (emitted tokens, number of accepted drafts)."""
+    best = target_logits.argmax(-1).tolist()
+    m = 0
+    while m < len(drafts) and drafts[m] == best[m]:
+        m += 1
+    return drafts[:m] + [best[m]], m
+
+
+def accept_sampled(
+    p: torch.Tensor, q: torch.Tensor, drafts: list[int], g: torch.Generator | None
+) -> tuple[list[int], int]:
+    """Speculative rejection sampling. p: target [k+1, V]; q: draft [k, V] the drafts came from.
+
+    The emitted tokens are distributed exactly as sampling them one by one from ``p``.
+    """
+    out: list[int] = []
+    for j, d in enumerate(drafts):
+        if _uniform(p.device, g) * float(q[j, d]) < float(p[j, d]):  # prob min(1, p/q)
+            out.append(d)
+            continue
+        residual = (p[j] - q[j]).clamp_min(0)
+        total = float(residual.sum())
+        out.append(_draw(residual / total if total > 0 else p[j], g))
+        return out, j
+    out.append(_draw(p[len(drafts)], g))  # all accepted: bonus token
+    return out, len(drafts)
+
+
+# ---- engine ------------------------------------------------------------------------------------
+
+
+class SpecEngine(LLMEngine):
+    """LLMEngine with a draft model; same API plus ``draft_pages`` on :meth:`add_prefilled`."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        pool: KVPool,
+        draft: DraftSpec,
+        max_batch: int = 16,
+        max_context: int | None = None,
+    ):
+        check_compatible(runner, draft.runner)
+        limit = min(
+            runner.config.max_position_embeddings, draft.runner.config.max_position_embeddings
+        )
+        if max_context is None:
+            max_context = limit
+        elif isinstance(max_context, int) and max_context > limit:
+            raise ValueError(
+                f"max_context {max_context} exceeds the draft or target max_position_embeddings "
+                f"({limit})"
+            )
+        super().__init__(runner, pool, max_batch, max_context)
+        self.draft = draft
+        self.stats = SpecStats()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _validate(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        super()._validate(seq_id, prompt_ids, params)
+        dpool = self.draft.pool
+        need = dpool.pages_needed(len(prompt_ids) + params.max_tokens - 1)
+        if need > dpool.num_pages:
+            raise ValueError(
+                f"request needs {need} draft KV pages but the draft pool only has {dpool.num_pages}"
+            )
+
+    # add_prefilled (inherited) with ``draft_pages``: the engine owns and frees them (allocated
+    # from the draft pool by the caller). Without them (e.g. the draft KV failed to arrive) the
+    # draft recomputes the prompt's KV locally on the first step; same output, only slower.
+    def _check_draft_pages(self, prompt_tokens: int, draft_pages: list[int] | None) -> None:
+        if draft_pages is not None:
+            self.draft.pool.check_holds(prompt_tokens, draft_pages, "draft ")
+
+    def _adopt_draft_pages(self, seq: Sequence, draft_pages: list[int] | None) -> None:
+        if draft_pages is not None:
+            seq.draft_pages = list(draft_pages)
+            seq.draft_len = len(seq.prompt_ids)
+
+    # ---- pages -------------------------------------------------------------------------------
+    def _draft_extra(self, seq: Sequence) -> int:
+        return self.draft.pool.pages_needed(seq.max_kv_tokens) - len(seq.draft_pages)
+
+    def _can_reserve(self, seq: Sequence) -> bool:
+        return super()._can_reserve(seq) and self._draft_extra(seq) <= self.draft.pool.num_free
+
+    def _reserve(self, seq: Sequence) -> None:
+        super()._reserve(seq)
+        extra = self._draft_extra(seq)
+        if extra > 0:
+            seq.draft_pages += self.draft.pool.alloc(extra)
+
+    def _release(self, seq: Sequence) -> None:
+        super()._release(seq)
+        pages, seq.draft_pages = seq.draft_pages, []
+        if pages:
+            self.draft.pool.free(pages)
+
+    # ---- compute -----------------------------------------------------------------------------
+    def _prefill(self, seq: Sequence) -> int:
+        token = super()._prefill(seq)
+        self.draft.runner.prefill(self.draft.pool, seq.prompt_ids, seq.draft_pages)
+        seq.draft_len = len(seq.prompt_ids)
+        return token
+
+    def _propose_one(self, seq: Sequence, logits: torch.Tensor, q: list) -> int:
+        if seq.params.greedy:
+            return int(logits.argmax())
+        dist = probs(logits[None], seq.params)[0]  # [V]
+        q.append(dist)
+        return _draw(dist, seq.generator)
+
+    def _propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[list, list]:
+        """Draft ks[i] tokens for seqs[i]: (draft tokens, draft distributions) per sequence."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active = [i for i, k in enumerate(ks) if k > 0]
+        inputs = []
+        for i in active:  # first forward: every token without draft KV, up to the last one
+            s = seqs[i]
+            tokens = (s.prompt_ids + s.output_ids)[s.draft_len :]
+            inputs.append(SeqInput(tokens, s.draft_len, s.draft_pages))
+            s.draft_len = s.num_tokens
+        j = 0
+        while active:
+            logits = self.draft.runner.forward(self.draft.pool, inputs, last_only=True)
+            for i, row in zip(active, logits, strict=True):
+                drafts[i].append(self._propose_one(seqs[i], row[-1], qs[i]))
+            j += 1
+            active = [i for i in active if ks[i] > j]
+            inputs = []
+            for i in active:
+                s = seqs[i]
+                inputs.append(SeqInput([drafts[i][-1]], s.draft_len, s.draft_pages))
+                s.draft_len += 1
+        return drafts, qs
+
+    def _decode(self, decoding: list[Sequence], out: StepOutput) -> None:
+        k = self.draft.num_spec_tokens
+        ks = [min(k, s.params.max_tokens - len(s.output_ids) - 1) for s in decoding]
+        drafts, qs = self._propose(decoding, ks)
+        inputs = [
+            SeqInput([s.output_ids[-1]] + d, s.num_tokens - 1, s.pages)
+            for s, d in zip(decoding, drafts, strict=True)
+        ]
+        logits = self.runner.forward(self.pool, inputs)  # per seq [k_i + 1, V]
+        for seq, lg, d, q in zip(decoding, logits, drafts, qs, strict=True):
+            if seq.params.greedy:
+                tokens, m = accept_greedy(lg, d)
+            else:
+                p = probs(lg, seq.params)
+                tokens, m = accept_sampled(p, torch.stack(q) if q else p[:0], d, seq.generator)
+            # draft KV is valid only where the fed tokens were accepted
+            seq.draft_len = min(seq.draft_len, seq.num_tokens + m)
+            seq.num_proposed += len(d)
+            seq.num_accepted += m
+            seq.num_verify_steps += 1
+            self.stats.proposed += len(d)
+            self.stats.accepted += m
+            self.stats.verify_steps += 1
+            for token in tokens:
+                self._emit(seq, token, out)
+                if seq.finished:
+                    break  # EOS / max_tokens inside the accepted run: drop the rest

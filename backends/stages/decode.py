@@ -1,0 +1,366 @@
+"""Decode stage core (no Triton): receive prompt KV from prefill, continuous-batching decode.
+
+One :class:`DecodeWorker` per decode instance owns the model runner, its KV pool, a
+:class:`~kvtransfer.KVReceiver` and an :class:`~backends.runtime.engine.LLMEngine` driven by ONE
+background thread. With ``spec_enabled`` it also owns the draft model and its KV pool, registers
+pages of both pools (kvtransfer entries ``target`` and ``draft``) and runs a
+:class:`~backends.runtime.spec.SpecEngine` that starts from the transferred draft KV.
+
+Per request (:meth:`DecodeWorker.submit`, any thread):
+
+1. allocate pages for ``prompt + max_tokens - 1`` tokens in each pool (FIFO-queued while a pool
+   is full) and register them with the request's prefill bootstrap address, while prefill
+   computes;
+2. when the room reaches Success, hand the pages and the first token to the engine
+   (``add_prefilled``, which owns the pages from then on);
+3. each engine step emits the new tokens through the request's ``emit`` callback.
+
+A failed transfer, a client cancel (``is_cancelled`` or :meth:`DecodeWorker.cancel`) or an
+engine error ends the request with one final event; its pages are freed exactly once (by this
+worker before step 2, by the engine after it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from kvtransfer import KVReceiver, RoomStatus
+
+from ..runtime.engine import LLMEngine, StepOutput
+from ..runtime.runner import ModelRunner
+from ..runtime.sequence import check_context
+from ..runtime.spec import DraftSpec, SpecEngine
+from .cancel import CancelListener
+from .decode_state import PREFIX_WINDOW, ActiveRequest, DecodeEvent, Emit, Phase, always, noop
+from .draft import DRAFT, explain_failure, load_stage_draft, make_draft_pool, spec_stats
+from .params import StageParams
+from .request import StageRequest
+from .trace import TraceWriter
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DecodeEvent", "DecodeWorker"]
+
+CANCEL_POLL_S = 0.05
+
+
+class DecodeWorker:
+    def __init__(self, params: StageParams, runner: ModelRunner | None = None, name="decode"):
+        self.params = params
+        self.runner = runner or ModelRunner.load(
+            params.model_path, dtype=params.dtype, device=params.device
+        )
+        self.pool = self.runner.make_pool(params.num_pages, params.page_size)
+        self.draft = load_stage_draft(params, self.runner)  # None: speculative decoding off
+        self.pools = {"target": self.pool}
+        if self.draft is None:
+            self.engine = LLMEngine(self.runner, self.pool, params.max_batch, params.max_context)
+        else:
+            self.pools[DRAFT] = make_draft_pool(params, self.draft)
+            spec = DraftSpec(self.draft, self.pools[DRAFT], params.spec_tokens)
+            self.engine = SpecEngine(
+                self.runner, self.pool, spec, params.max_batch, params.max_context
+            )
+        cfg = params.transfer_config()
+        self.receiver = KVReceiver(cfg, {role: p.layout for role, p in self.pools.items()})
+        # clients cancel through this channel too (see backends/stages/cancel.py)
+        self.cancel_listener = CancelListener(cfg.host, self.cancel, cfg.shared_secret)
+        self.cancel_addr = self.cancel_listener.addr
+        self.name = name
+        self.trace = TraceWriter(params.trace_dir, name)
+        self._cond = threading.Condition()
+        self._cancel_rooms: set[int] = set()
+        self._waiting: deque[ActiveRequest] = deque()  # no pages yet (FIFO)
+        self._transfers: dict[int, ActiveRequest] = {}  # room -> registered, KV in flight
+        self._ready: deque[tuple[int, RoomStatus]] = deque()  # rooms ended (control thread)
+        self._running: dict[str, ActiveRequest] = {}  # seq id -> in the engine
+        self.counters = dict.fromkeys(
+            ("requests", "failed", "cancelled", "steps", "max_batch", "last_batch", "tokens"), 0
+        )
+        self.counters.update(ttft_sum=0.0, ttft_count=0, itl_sum=0.0, itl_count=0)
+        self._stop = False
+        self._last_cancel_poll = 0.0
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-loop", daemon=True)
+        self._thread.start()
+
+    # ---- public API (any thread) -------------------------------------------------------------
+    def validate(self, req: StageRequest) -> None:
+        n, m = len(req.prompt_ids), req.sampling.max_tokens
+        if n == 0:
+            raise ValueError("prompt is empty: at least one token is required")
+        check_context(n, m, self.params.max_context)
+        for role, pool in self.pools.items():
+            need = pool.pages_needed(n + m - 1)
+            if need > pool.num_pages:
+                what = "" if role == "target" else f"{role} "
+                raise ValueError(
+                    f"request needs {need} {what}KV pages, the decode {what}pool has only"
+                    f" {pool.num_pages}"
+                )
+        if not req.bootstrap_addr:
+            raise ValueError("no prefill bootstrap address")
+
+    def submit(
+        self, req: StageRequest, emit: Emit, is_cancelled: Callable[[], bool] | None = None
+    ) -> None:
+        """Queue a request; raises ValueError (nothing queued) when it can never run."""
+        try:
+            self.validate(req)
+        except ValueError as e:
+            self._refuse(req, str(e))
+            raise
+        r = ActiveRequest(req, emit, is_cancelled)
+        r.t["submitted"] = time.time()
+        with self._cond:
+            if req.room in self._transfers or r.seq_id in self._running:
+                raise ValueError(f"room {req.room} is already in use")
+            self.counters["requests"] += 1
+            self._waiting.append(r)
+        self._register_waiting()
+        with self._cond:
+            self._cond.notify_all()
+
+    def cancel(self, room: int) -> None:
+        """Stop a request (any thread): its pages are freed, it ends with a final event."""
+        with self._cond:
+            self._cancel_rooms.add(room)
+            self._cond.notify_all()
+
+    @property
+    def pages_in_use(self) -> int:
+        """Pages allocated in the target pool plus the draft pool (when there is one)."""
+        return sum(p.num_pages - p.num_free for p in self.pools.values())
+
+    def stats(self) -> dict:
+        snap = self.receiver.stats()
+        with self._cond:
+            snap.update(self.counters)
+            snap["waiting"] = len(self._waiting) + len(self._transfers) + len(self.engine.waiting)
+            snap["running"] = len(self.engine.running)
+        snap["pages_in_use"] = self.pages_in_use
+        snap["num_pages"] = sum(p.num_pages for p in self.pools.values())
+        if self.draft is not None:
+            snap.update(spec_stats(self.engine))
+        return snap
+
+    def close(self) -> None:
+        self._stop = True
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+        self.cancel_listener.close()
+        self.receiver.close()
+
+    # ---- registration ------------------------------------------------------------------------
+    def _refuse(self, req: StageRequest, reason: str) -> None:
+        """Tell prefill at once that this room will never be taken, so it frees its pages
+        now instead of after ``bootstrap_timeout_s`` (best effort)."""
+        if not req.bootstrap_addr:
+            return
+        try:
+            empty = dict.fromkeys(self.pools, [])
+            n = len(req.prompt_ids)
+            self.receiver.register(req.room, [req.bootstrap_addr], empty, n, noop)
+            self.receiver.abort(req.room, f"decode refused the request: {reason}")
+        except Exception:
+            log.debug("%s: room %d: refusing at prefill failed", self.name, req.room)
+
+    def _register_waiting(self) -> None:
+        """Give pages to waiting requests in FIFO order and register them with prefill."""
+        while True:
+            with self._cond:
+                if not self._waiting:
+                    return
+                r = self._waiting[0]
+                n = len(r.req.prompt_ids) + r.req.sampling.max_tokens - 1
+                need = {role: p.pages_needed(n) for role, p in self.pools.items()}
+                if any(need[role] > p.num_free for role, p in self.pools.items()):
+                    return
+                self._waiting.popleft()
+                r.pages = {role: p.alloc(need[role]) for role, p in self.pools.items()}
+                r.phase = Phase.TRANSFER
+                self._transfers[r.req.room] = r
+            try:
+                self.receiver.register(
+                    r.req.room,
+                    [r.req.bootstrap_addr],
+                    r.pages,
+                    len(r.req.prompt_ids),
+                    self._on_release,
+                )
+                r.t["registered"] = time.time()
+            except Exception as e:  # bad address etc.: this request only
+                with self._cond:
+                    self._transfers.pop(r.req.room, None)
+                self._free(r)
+                self._finish(r, error=f"registering KV pages with prefill failed: {e}")
+
+    def _on_release(self, room: int, status: RoomStatus) -> None:  # control thread
+        with self._cond:
+            self._ready.append((room, status))
+            self._cond.notify_all()
+
+    # ---- loop thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop:
+            with self._cond:
+                if not (self._ready or self._cancel_rooms or self.engine.has_unfinished()):
+                    self._cond.wait(CANCEL_POLL_S)
+            try:
+                self._poll_cancelled()
+                self._take_ready()
+                self._register_waiting()
+                if self.engine.has_unfinished():
+                    self._step()
+            except Exception:
+                log.exception("%s: decode loop iteration failed", self.name)
+                self._fail_running("decode step failed (see server log)")
+
+    def _take_ready(self) -> None:
+        while True:
+            with self._cond:
+                if not self._ready:
+                    return
+                room, status = self._ready.popleft()
+                r = self._transfers.pop(room, None)
+            if r is None:
+                continue
+            r.t["transfer_done"] = time.time()
+            if r.cancelled or status != RoomStatus.Success:
+                self._free(r)
+                why = explain_failure(self.receiver.failure_reason(room) or status.name)
+                self._finish(r, error=None if r.cancelled else f"KV transfer failed: {why}")
+                continue
+            try:
+                first, _extra = self.receiver.result(room)
+                self.receiver.forget(room)
+                self._add_prefilled(r, first)
+            except Exception as e:
+                self._free(r)
+                self._finish(r, error=f"decode could not take the prefilled request: {e}")
+                continue
+            r.phase = Phase.RUNNING
+            self._running[r.seq_id] = r
+
+    def _add_prefilled(self, r: ActiveRequest, first: int) -> None:
+        """Hand the request to the engine, which owns (and frees) its pages from then on."""
+        self.engine.add_prefilled(
+            r.seq_id, r.req.prompt_ids, r.pages["target"], first, r.req.sampling,
+            draft_pages=r.pages.get(DRAFT),
+        )  # fmt: skip
+        r.pages = {}
+
+    def _free(self, r: ActiveRequest) -> None:
+        pages, r.pages = r.pages, {}
+        for role, ids in pages.items():
+            self.pools[role].free(ids)
+
+    def _step(self) -> None:
+        batch = len(self.engine.running)
+        out = self.engine.step()
+        c = self.counters
+        c["steps"] += 1
+        c["last_batch"] = batch
+        c["max_batch"] = max(c["max_batch"], batch)
+        self._deliver(out, time.time())
+
+    def _deliver(self, out: StepOutput, now: float) -> None:
+        """Emit each sequence's new tokens of one step; finish the sequences that ended."""
+        c = self.counters
+        reasons = {s.seq_id: s.finish_reason for s in out.finished}
+        for seq_id in set(out.new_tokens) | set(reasons):
+            r = self._running.get(seq_id)
+            if r is None:
+                continue
+            tokens = out.new_tokens.get(seq_id, [])
+            c["tokens"] += len(tokens)
+            if "first_token" not in r.t:
+                r.t["first_token"] = now
+                c["ttft_sum"] += now - r.t["submitted"]
+                c["ttft_count"] += 1
+            else:
+                c["itl_sum"] += now - r.t["last_token"]
+                c["itl_count"] += 1
+            r.t["last_token"] = now
+            final = seq_id in reasons
+            if r.req.stream and tokens and not final:
+                self._send(r, DecodeEvent(tokens, r.out_ids[-PREFIX_WINDOW:]))
+            r.out_ids += tokens
+            if final:
+                del self._running[seq_id]
+                self._finish(r, reason=reasons[seq_id], tokens=tokens)
+
+    def _send(self, r: ActiveRequest, ev: DecodeEvent) -> bool:
+        try:
+            r.emit(ev)
+            return True
+        except Exception as e:  # the client is gone: stop generating for it
+            log.info("%s: room %d: emit failed (%s); aborting", self.name, r.req.room, e)
+            r.cancelled = True
+            if r.seq_id in self._running:
+                self.engine.abort(r.seq_id)
+                del self._running[r.seq_id]
+            return False
+
+    def _finish(self, r: ActiveRequest, error=None, reason=None, tokens=None) -> None:
+        if r.phase == Phase.DONE:
+            return
+        r.phase = Phase.DONE
+        r.t["finished"] = time.time()
+        if error:
+            self.counters["failed"] += 1
+            ev = DecodeEvent([], [], final=True, error=error)
+        elif r.cancelled:
+            self.counters["cancelled"] += 1
+            ev = DecodeEvent([], [], final=True, finish_reason="cancelled")
+        elif r.req.stream:
+            prefix = r.out_ids[: len(r.out_ids) - len(tokens)][-PREFIX_WINDOW:]
+            ev = DecodeEvent(list(tokens), prefix, final=True, finish_reason=reason)
+        else:
+            ev = DecodeEvent(list(r.out_ids), [], final=True, finish_reason=reason)
+        self._send(r, ev)
+        self.trace.write({"stage": "decode", "room": r.req.room, "error": error,
+                          "cancelled": r.cancelled, **r.t, "tokens": len(r.out_ids)})  # fmt: skip
+
+    # ---- cancellation ------------------------------------------------------------------------
+    def _poll_cancelled(self) -> None:
+        now = time.monotonic()
+        with self._cond:
+            rooms, self._cancel_rooms = self._cancel_rooms, set()
+        if not rooms and now - self._last_cancel_poll < CANCEL_POLL_S:
+            return
+        self._last_cancel_poll = now
+        for r in self._all():
+            if r.req.room in rooms:
+                r.is_cancelled = always
+        with self._cond:
+            waiting = [r for r in self._waiting if r.cancel_requested()]
+            for r in waiting:
+                self._waiting.remove(r)
+            transfers = [r for r in self._transfers.values() if r.cancel_requested()]
+        for r in waiting:
+            r.cancelled = True
+            self._finish(r)
+        for r in transfers:
+            r.cancelled = True  # on_release -> _take_ready frees the pages
+            self.receiver.abort(r.req.room, "client cancelled")
+        for seq_id, r in list(self._running.items()):
+            if r.cancel_requested():
+                r.cancelled = True
+                self.engine.abort(seq_id)
+                del self._running[seq_id]
+                self._finish(r)
+
+    def _all(self) -> list[ActiveRequest]:
+        with self._cond:
+            return [*self._waiting, *self._transfers.values(), *self._running.values()]
+
+    def _fail_running(self, error: str) -> None:
+        for seq_id, r in list(self._running.items()):
+            self.engine.abort(seq_id)
+            del self._running[seq_id]
+            self._finish(r, error=error)

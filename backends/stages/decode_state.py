@@ -1,0 +1,64 @@
+"""A decode request's state inside the decode worker, and the events it emits."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .request import StageRequest
+
+PREFIX_WINDOW = 8  # earlier tokens sent along with new ones, for incremental detokenization
+
+
+class Phase(enum.IntEnum):
+    """Where a decode request is; it only moves forward."""
+
+    WAITING = 0  # queued for destination pages
+    TRANSFER = 1  # pages registered with prefill, KV in flight
+    RUNNING = 2  # in the engine's continuous batch
+    DONE = 3  # final event sent, pages freed (by the worker or the engine)
+
+
+@dataclass
+class DecodeEvent:
+    token_ids: list[int]  # new tokens (all of them when stream=False)
+    prefix_ids: list[int]  # up to PREFIX_WINDOW tokens emitted before token_ids
+    final: bool = False
+    error: str | None = None
+    finish_reason: str | None = None
+
+
+Emit = Callable[[DecodeEvent], None]
+
+
+@dataclass
+class ActiveRequest:
+    req: StageRequest
+    emit: Emit
+    is_cancelled: Callable[[], bool] | None
+    pages: dict[str, list[int]] = field(default_factory=dict)  # role -> pages ("target", draft)
+    phase: Phase = Phase.WAITING
+    cancelled: bool = False
+    out_ids: list[int] = field(default_factory=list)
+    t: dict = field(default_factory=dict)  # timestamps for the trace
+
+    @property
+    def seq_id(self) -> str:
+        return str(self.req.room)
+
+    def cancel_requested(self) -> bool:
+        if self.cancelled or self.is_cancelled is None:
+            return False
+        try:
+            return bool(self.is_cancelled())
+        except Exception:  # the response sender is gone: the client is too
+            return True
+
+
+def noop(*_args) -> None:
+    pass
+
+
+def always() -> bool:
+    return True

@@ -1,0 +1,67 @@
+"""The stages' custom Triton metrics: ONE table (name, kind, stats key, meaning).
+
+Each stage core's ``stats()`` snapshot holds cumulative totals and current values under the
+keys below; the Triton glue exports the ones a stage reports (counters from the totals, gauges as
+is) with labels ``stage`` and ``instance``. ``docs/metrics.md`` is generated from this table.
+Failures by reason are one more counter family, ``pd_kv_transfer_failures_total{reason}``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Metric(NamedTuple):
+    name: str
+    kind: str  # "counter" | "gauge"
+    key: str  # key in the stage's stats() snapshot
+    doc: str
+
+
+C, G = "counter", "gauge"
+FAILURES = Metric(
+    "pd_kv_transfer_failures_total", C, "failures", "KV transfers that failed, by reason"
+)
+
+METRICS = [
+    Metric("pd_ttft_seconds_total", C, "ttft_sum",
+           "Sum of time to first token (decode submit -> first token), s"),
+    Metric("pd_ttft_requests_total", C, "ttft_count", "Requests with a first token"),
+    Metric("pd_itl_seconds_total", C, "itl_sum", "Sum of inter-token latencies, s"),
+    Metric("pd_itl_intervals_total", C, "itl_count", "Inter-token intervals measured"),
+    Metric("pd_kv_transfer_bytes_total", C, "bytes", "KV bytes transferred (prefill -> decode)"),
+    Metric("pd_kv_transfer_seconds_total", C, "seconds",
+           "KV transfer seconds (prefill: first group queued -> last landed;"
+           " decode: claim -> complete)"),
+    Metric("pd_kv_rooms_ok_total", C, "rooms_ok", "KV transfers (rooms) that succeeded"),
+    Metric("pd_kv_pages_in_use", G, "pages_in_use", "KV pages allocated in this stage's pools"),
+    Metric("pd_kv_pages_total", G, "num_pages", "KV pages in this stage's pools"),
+    Metric("pd_requests_running", G, "running", "Requests in the decode batch"),
+    Metric("pd_requests_waiting", G, "waiting",
+           "Requests waiting (prefill: queued; decode: pages, KV transfer, admission)"),
+    Metric("pd_decode_batch_size", G, "last_batch", "Sequences decoded in the last step"),
+    Metric("pd_decode_max_batch_size", G, "max_batch", "Largest decode batch seen"),
+    Metric("pd_decode_steps_total", C, "steps", "Decode steps run"),
+    Metric("pd_generated_tokens_total", C, "tokens", "Tokens generated"),
+    Metric("pd_requests_total", C, "requests", "Requests received by the stage"),
+    Metric("pd_requests_failed_total", C, "failed", "Requests that ended in an error"),
+    Metric("pd_requests_cancelled_total", C, "cancelled", "Requests cancelled by the client"),
+    # speculative decoding (decode with spec_enabled only)
+    Metric("pd_spec_proposed_tokens_total", C, "spec_proposed", "Draft tokens proposed"),
+    Metric("pd_spec_accepted_tokens_total", C, "spec_accepted", "Draft tokens the target accepted"),
+    Metric("pd_spec_verify_steps_total", C, "spec_verify_steps",
+           "Target verify forwards (per sequence)"),
+    Metric("pd_spec_acceptance_rate", G, "spec_acceptance_rate",
+           "Accepted / proposed draft tokens since start"),
+    Metric("pd_spec_mean_accepted_length", G, "spec_mean_accepted_length",
+           "Tokens per verify step (accepted drafts + 1) since start"),
+]  # fmt: skip
+
+
+def reference_table() -> str:
+    """The metrics reference (markdown), generated from :data:`METRICS`."""
+    rows = ["| metric | kind | meaning |", "|---|---|---|"]
+    for mt in [*METRICS, FAILURES]:
+        label = "{stage, instance, reason}" if mt is FAILURES else "{stage, instance}"
+        rows.append(f"| `{mt.name}{label}` | {mt.kind} | {mt.doc} |")
+    return "\n".join(rows) + "\n"

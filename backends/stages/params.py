@@ -1,0 +1,254 @@
+"""Stage parameters: ONE schema for every stage's ``config.pbtxt`` ``parameters``.
+
+Each field has its default (the only definition of it: transfer and layer-group defaults are read
+from :class:`~kvtransfer.TransferConfig` and :class:`~kvtransfer.LayerGroupPolicy`), the stages
+that use it, and its documentation; ``docs/configuration.md`` is generated from this schema
+(``scripts/gen_docs.py``, checked by a test). Values arrive from Triton as strings:
+:func:`parse_params` converts them and raises ``ValueError`` naming the parameter and what it
+accepts, so a bad config fails the model load. A ``config.pbtxt`` lists only what it sets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+
+from kvtransfer import LayerGroupPolicy, TransferConfig
+from kvtransfer.config import PROTOCOLS
+
+from ..runtime.dtypes import MODEL_DTYPES
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_MODEL = "models/smollm2-135m-instruct"
+STAGES = ("preprocess", "prefill", "decode", "postprocess")
+PD = ("prefill", "decode")
+_TC, _LG = TransferConfig, LayerGroupPolicy  # dataclass defaults are class attributes
+
+
+def _p(default, stages: tuple[str, ...], doc: str):
+    return field(default=default, metadata={"stages": stages, "doc": doc})
+
+
+@dataclass(frozen=True)
+class StageParams:
+    model_dir: str = _p(
+        DEFAULT_MODEL,
+        STAGES,
+        "HF checkpoint directory (relative to the repository root, or absolute)",
+    )
+    dtype: str = _p("float32", PD, f"model and KV dtype: {' or '.join(MODEL_DTYPES)}")
+    device: str = _p("cpu", PD, "torch device (`cpu`, `cuda`, `cuda:N`)")
+    page_size: int = _p(
+        16, PD, "tokens per KV page; prefill and decode must agree (checked at handshake)"
+    )
+    num_pages: int = _p(512, PD, "KV pool pages per instance")
+    max_batch: int = _p(16, ("decode",), "sequences per continuous-batching step")
+    max_context: int = _p(2048, ("preprocess", "decode"), "limit on prompt + `max_tokens`")
+    max_tokens_limit: int = _p(
+        1024,
+        ("preprocess", "decode"),
+        "largest `max_tokens` a request may ask for (< `max_context`)",
+    )
+    lg_enabled: bool = _p(
+        _LG.enabled,
+        ("prefill",),
+        "layer-grouped KV streaming; `false` sends the whole KV after prefill",
+    )
+    lg_min_tokens: int = _p(
+        _LG.min_tokens, ("prefill",), "prompts shorter than this go as one group"
+    )
+    lg_min_groups: int = _p(
+        _LG.min_groups,
+        ("prefill",),
+        "groups at and above `lg_sat_multiplier` x `lg_min_tokens` tokens",
+    )
+    lg_max_groups: int = _p(_LG.max_groups, ("prefill",), "groups at `lg_min_tokens` tokens")
+    lg_sat_multiplier: float = _p(
+        _LG.sat_multiplier, ("prefill",), "where the group count reaches `lg_min_groups`"
+    )
+    lg_fixed_group_size: int = _p(
+        0, ("prefill",), "`0` = adaptive policy; `N` = groups of N layers"
+    )
+    transport: str = _p(
+        _TC.protocol,
+        PD,
+        "Mooncake protocol, `tcp` or `rdma` (`serve.sh` sets `MC_FORCE_TCP=1` unless set)",
+    )
+    rdma_device: str = _p(_TC.rdma_device, PD, "RDMA NIC, e.g. `mlx5_0` (with `transport: rdma`)")
+    bootstrap_host: str = _p(
+        _TC.host, PD, "address the control sockets, Mooncake and decode's cancel listener bind to"
+    )
+    bootstrap_port: int = _p(
+        _TC.bootstrap_port, ("prefill",), "`0` = any free port; `N` = port N + instance index"
+    )
+    bootstrap_timeout_s: float = _p(
+        _TC.bootstrap_timeout_s, PD, "how long a room may wait for the peer's registration / claim"
+    )
+    transfer_timeout_s: float = _p(
+        _TC.transfer_timeout_s, PD, "claim -> completion limit; also prefill's wait for free pages"
+    )
+    shared_secret: str = _p(
+        "",
+        ("prefill", "decode", "postprocess"),
+        ">= 16 characters: HMAC-SHA256 on every control and cancel message",
+    )
+    trace_dir: str = _p(
+        "",
+        PD,
+        "when set, per-room timing JSON lines (register, groups computed / landed, first token)",
+    )
+    spec_enabled: bool = _p(
+        False,
+        PD,
+        "speculative decoding: prefill also sends the draft's prompt KV, decode drafts and"
+        " verifies; must be equal in both stages (checked at handshake)",
+    )
+    draft_model_dir: str = _p(
+        "",
+        PD,
+        'draft checkpoint (a supported family with the target\'s vocabulary); `""` = self-draft',
+    )
+    draft_layers: int = _p(
+        24,
+        PD,
+        "self-draft: keep the target's first N layers (+ final norm and head); < target layers",
+    )
+    spec_tokens: int = _p(2, ("decode",), "draft tokens proposed per verify step (k)")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"parameter dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
+        if self.transport not in PROTOCOLS:
+            raise ValueError(
+                f"parameter transport must be one of {PROTOCOLS}, got {self.transport!r}"
+            )
+        positive = ("page_size", "num_pages", "max_batch", "max_context", "max_tokens_limit")
+        for name in (*positive, "draft_layers", "spec_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"parameter {name} must be an integer >= 1, got {getattr(self, name)}"
+                )
+        if self.max_tokens_limit >= self.max_context:
+            raise ValueError(
+                f"parameter max_tokens_limit ({self.max_tokens_limit}) must be smaller than"
+                f" max_context ({self.max_context}): a prompt needs at least one token"
+            )
+        if self.lg_fixed_group_size < 0:
+            raise ValueError("parameter lg_fixed_group_size must be >= 0 (0 = adaptive policy)")
+        self.policy()  # LayerGroupPolicy checks its own ranges
+        self.transfer_config()  # and TransferConfig its own
+
+    @property
+    def model_path(self) -> str:
+        return resolve_path(self.model_dir)
+
+    @property
+    def draft_path(self) -> str | None:
+        """The draft checkpoint directory (absolute), or None for a self-draft."""
+        return resolve_path(self.draft_model_dir) if self.draft_model_dir else None
+
+    def policy(self) -> LayerGroupPolicy:
+        try:
+            return LayerGroupPolicy(
+                min_tokens=self.lg_min_tokens,
+                min_groups=self.lg_min_groups,
+                max_groups=self.lg_max_groups,
+                sat_multiplier=self.lg_sat_multiplier,
+                fixed_group_size=self.lg_fixed_group_size or None,
+                enabled=self.lg_enabled,
+            )
+        except ValueError as e:
+            raise ValueError(f"layer-group parameters (lg_*): {e}") from None
+
+    def transfer_config(self, instance_index: int = 0) -> TransferConfig:
+        port = self.bootstrap_port + instance_index if self.bootstrap_port else 0
+        try:
+            return TransferConfig(
+                host=self.bootstrap_host,
+                bootstrap_port=port,
+                protocol=self.transport,
+                rdma_device=self.rdma_device,
+                bootstrap_timeout_s=self.bootstrap_timeout_s,
+                transfer_timeout_s=self.transfer_timeout_s,
+                shared_secret=self.shared_secret or None,
+            )
+        except ValueError as e:
+            raise ValueError(f"transfer parameters: {e}") from None
+
+
+def resolve_path(path: str) -> str:
+    """Absolute path; relative ones are taken from the repository root."""
+    return path if os.path.isabs(path) else os.path.join(REPO_ROOT, path)
+
+
+SCHEMA = {f.name: f for f in fields(StageParams)}
+_CASTS = {"str": str, "int": int, "float": float, "bool": bool}
+
+
+def stages_of(name: str) -> tuple[str, ...]:
+    return SCHEMA[name].metadata["stages"]
+
+
+def _convert(name: str, raw: str):
+    typ = _CASTS[SCHEMA[name].type]
+    raw = raw.strip()
+    if typ is bool:
+        low = raw.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"parameter {name} must be true or false, got {raw!r}")
+    try:
+        return typ(raw)
+    except ValueError:
+        what = {int: "an integer", float: "a number"}.get(typ, "a string")
+        raise ValueError(f"parameter {name} must be {what}, got {raw!r}") from None
+
+
+def parse_params(raw: dict[str, str], stage: str | None = None) -> StageParams:
+    """``raw``: name -> string value. Unknown names, and with ``stage`` names that stage does
+    not use, are errors: a typo or a misplaced setting fails loudly instead of being ignored."""
+    unknown = sorted(set(raw) - set(SCHEMA))
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {unknown}; known: {sorted(SCHEMA)}")
+    if stage is not None:
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}; stages: {STAGES}")
+        foreign = sorted(k for k in raw if stage not in stages_of(k))
+        if foreign:
+            where = {k: list(stages_of(k)) for k in foreign}
+            raise ValueError(
+                f"parameter(s) {foreign} do not apply to stage {stage} (used by {where})"
+            )
+    return StageParams(**{k: _convert(k, str(v)) for k, v in raw.items()})
+
+
+def from_triton_config(model_config: str | dict, stage: str) -> StageParams:
+    """Parse the ``parameters`` of a Triton model config (JSON string or dict) of ``stage``."""
+    cfg = json.loads(model_config) if isinstance(model_config, str) else model_config
+    raw = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
+    return parse_params(raw, stage)
+
+
+def instance_index(instance_name: str) -> int:
+    """Triton names instances ``<model>_<group>_<index>``; returns the trailing index (else 0)."""
+    tail = instance_name.rsplit("_", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+def reference_table() -> str:
+    """The configuration reference (markdown), generated from the schema."""
+    rows = ["| parameter | default | stages | meaning |", "|---|---|---|---|"]
+    for name, f in SCHEMA.items():
+        d = f.default
+        shown = (
+            str(d).lower()
+            if isinstance(d, bool)
+            else ('""' if d == "" else f"{d:g}" if isinstance(d, float) else d)
+        )
+        rows.append(
+            f"| `{name}` | `{shown}` | {', '.join(f.metadata['stages'])} | {f.metadata['doc']} |"
+        )
+    return "\n".join(rows) + "\n"

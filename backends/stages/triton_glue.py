@@ -1,0 +1,132 @@
+"""Helpers shared by the thin Triton ``model.py`` adapters (the only module besides them that
+knows Triton's Python API; ``pb`` is the ``triton_python_backend_utils`` module they pass in).
+
+* tensors: every input of a request as numpy, the ``REQUEST`` struct in and out, ids and text;
+* errors: one error response for one request;
+* :class:`StageMetrics`: the metric families of :mod:`.metrics` fed from a core's ``stats()``
+  snapshot by a small background thread (counters from cumulative totals, gauges as is).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import numpy as np
+
+from . import request as rq
+from .metrics import FAILURES, METRICS
+
+log = logging.getLogger(__name__)
+
+
+def setup_env() -> None:
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def inputs(pb, request) -> dict[str, np.ndarray]:
+    """Every input tensor of ``request`` by name."""
+    return {t.name(): t.as_numpy() for t in request.inputs()}
+
+
+def get(pb, request, name: str):
+    t = pb.get_input_tensor_by_name(request, name)
+    return None if t is None else t.as_numpy()
+
+
+def stage_request(pb, request) -> rq.StageRequest:
+    """The ``REQUEST`` input, decoded and validated (ValueError otherwise)."""
+    arr = get(pb, request, rq.REQUEST_TENSOR)
+    if arr is None or arr.size != 1:
+        raise ValueError(f"input {rq.REQUEST_TENSOR} must hold one serialized request")
+    return rq.decode(bytes(arr.reshape(-1)[0]))
+
+
+def request_tensor(pb, req: rq.StageRequest):
+    return pb.Tensor(rq.REQUEST_TENSOR, np.array([rq.encode(req)], dtype=np.object_))
+
+
+def int_list(pb, request, name: str) -> list[int]:
+    arr = get(pb, request, name)
+    return [] if arr is None else [int(x) for x in arr.reshape(-1)]
+
+
+def text(pb, request, name: str) -> str:
+    arr = get(pb, request, name)
+    if arr is None or arr.size != 1:
+        raise ValueError(f"input {name} must hold exactly one string")
+    v = arr.reshape(-1)[0]
+    return v.decode("utf-8") if isinstance(v, bytes) else str(v)
+
+
+def out_ids(pb, name: str, ids: list[int]):
+    return pb.Tensor(name, np.asarray(ids, dtype=np.int32))
+
+
+def out_text(pb, name: str, s: str):
+    return pb.Tensor(name, np.array([s.encode("utf-8")], dtype=np.object_))
+
+
+def out_int64(pb, name: str, v: int):
+    return pb.Tensor(name, np.array([v], dtype=np.int64))
+
+
+def error_response(pb, message: str, invalid: bool = False):
+    """An error for one request; ``invalid``: the request itself is bad (HTTP 400)."""
+    code = pb.TritonError.INVALID_ARG if invalid else pb.TritonError.INTERNAL
+    return pb.InferenceResponse(output_tensors=[], error=pb.TritonError(message, code))
+
+
+class StageMetrics:
+    def __init__(self, pb, stage: str, instance: str, stats_fn, interval: float = 0.25):
+        self.pb, self.stats_fn, self.interval = pb, stats_fn, interval
+        self.labels = {"stage": stage, "instance": instance}
+        mf = pb.MetricFamily
+        self.metrics, self.families = [], []  # families must outlive their metrics
+        have = stats_fn()  # only the metrics this stage reports
+        for mt in METRICS:
+            if mt.key not in have:
+                continue
+            kind = mf.COUNTER if mt.kind == "counter" else mf.GAUGE
+            fam = mf(name=mt.name, description=mt.doc, kind=kind)
+            self.families.append(fam)
+            self.metrics.append((mt.kind, mt.key, fam.Metric(labels=self.labels), [0.0]))
+        self.fail_family = mf(name=FAILURES.name, description=FAILURES.doc, kind=mf.COUNTER)
+        self.fail_metrics: dict[str, list] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metrics", daemon=True)
+        self._thread.start()
+
+    def update(self) -> None:
+        st = self.stats_fn()
+        for kind, key, metric, last in self.metrics:
+            if key not in st:
+                continue
+            v = float(st[key])
+            if kind == "gauge":
+                metric.set(v)
+            elif v > last[0]:
+                metric.increment(v - last[0])
+                last[0] = v
+        for reason, n in st.get(FAILURES.key, {}).items():
+            if reason not in self.fail_metrics:
+                m = self.fail_family.Metric(labels={**self.labels, "reason": reason})
+                self.fail_metrics[reason] = [m, 0]
+            m, last = self.fail_metrics[reason]
+            if n > last:
+                m.increment(n - last)
+                self.fail_metrics[reason][1] = n
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.update()
+            except Exception:
+                log.exception("metrics update failed")
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)

@@ -1,0 +1,167 @@
+"""Benchmark speculative decoding: decode tokens/s with and without a draft model.
+
+Each batch runs the same chat prompts through the plain engine (target only) and through the
+speculative engine (self-draft of the target's first K layers, or a draft checkpoint), greedy,
+``--max-tokens`` tokens per sequence with EOS ignored so both produce the same token count.
+Decode tokens/s counts every token after the first (the first comes from prefill) over the time
+of the steps after admission. Each number is the median of --runs runs; the greedy outputs of
+both engines are compared token for token (column ``same``).
+
+    python scripts/bench/bench_spec.py                                  # table
+    python scripts/bench/bench_spec.py --draft-layers 24 28 --spec-tokens 1 2 4 --batches 1
+    python scripts/bench/bench_spec.py --json                           # one JSON object
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from bench_common import log, run_meta  # noqa: E402
+
+from backends.runtime.dtypes import MODEL_DTYPES  # noqa: E402
+from backends.runtime.engine import LLMEngine  # noqa: E402
+from backends.runtime.runner import ModelRunner  # noqa: E402
+from backends.runtime.sampler import SamplingParams  # noqa: E402
+from backends.runtime.spec import DraftSpec, SpecEngine, load_draft  # noqa: E402
+from backends.runtime.tokenizer import Tokenizer  # noqa: E402
+from backends.stages.params import StageParams  # noqa: E402
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in two sentences.",
+    "List three uses of a paperclip.",
+    "What is 12 times 7?",
+    "Give me a tip for learning a new language.",
+    "Describe a cat to someone who has never seen one.",
+    "Why is the sky blue?",
+]
+
+
+def run_once(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list, dict]:
+    """-> (decode tokens/s, outputs, spec stats of this run)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    seqs = [engine.add_request(f"b{i}", p, params) for i, p in enumerate(prompts)]
+    engine.step()  # admission: prefill + first token, not timed
+    if isinstance(engine, SpecEngine):
+        engine.stats = type(engine.stats)()
+    t = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    dt = time.perf_counter() - t
+    stats = engine.stats.as_dict() if isinstance(engine, SpecEngine) else {}
+    return len(prompts) * (max_tokens - 1) / dt, [s.output_ids for s in seqs], stats
+
+
+def measure(make_engine, prompts, args) -> dict:
+    engine = make_engine()
+    run_once(engine, prompts[:1], 4)  # warm up
+    rates, stats, outputs = [], [], None
+    for _ in range(args.runs):
+        rate, outputs, st = run_once(engine, prompts, args.max_tokens)
+        rates.append(rate)
+        stats.append(st)
+    res = {"decode_tok_s": statistics.median(rates)}
+    if stats[0]:
+        res["acceptance_rate"] = stats[-1]["acceptance_rate"]  # greedy: the same every run
+        res["mean_accepted_length"] = stats[-1]["mean_accepted_length"]
+    return res | {"outputs": outputs}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="models/smollm2-135m-instruct")
+    ap.add_argument("--draft", default=None, help="draft checkpoint directory (else self-draft)")
+    ap.add_argument("--draft-layers", type=int, nargs="+", default=[28], help="self-draft K")
+    ap.add_argument("--spec-tokens", type=int, nargs="+", default=[1, 2], help="k per step")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--dtype", choices=MODEL_DTYPES, default=StageParams.dtype)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--page-size", type=int, default=StageParams.page_size)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    ap.add_argument(
+        "--random-prompts", type=int, default=0, help="N random token ids per prompt (no tokenizer)"
+    )
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    target = ModelRunner.load(args.model, dtype=args.dtype, device=args.device)
+    drafts = (
+        {f"draft {os.path.basename(args.draft.rstrip('/'))}": load_draft(target, path=args.draft)}
+        if args.draft
+        else {f"self-draft K={k}": load_draft(target, num_layers=k) for k in args.draft_layers}
+    )
+    rows = []
+    if args.random_prompts:
+        g = torch.Generator().manual_seed(0)
+        vocab = target.config.vocab_size
+        texts = [
+            torch.randint(3, vocab, (args.random_prompts,), generator=g).tolist() for _ in range(8)
+        ]
+    else:
+        tok = Tokenizer(args.model)
+        texts = [tok.encode(t, chat=True) for t in PROMPTS]
+    per_seq = -(-(max(map(len, texts)) + args.max_tokens) // args.page_size)
+    for b in args.batches:
+        prompts = [texts[i % len(texts)] for i in range(b)]
+        pages = per_seq * b
+
+        def plain(pages=pages, b=b):
+            return LLMEngine(target, target.make_pool(pages, args.page_size), max_batch=b)
+
+        base = measure(plain, prompts, args)
+        log(f"batch {b} target only: {base['decode_tok_s']:.1f} tok/s")
+        rows.append({"config": "target only", "batch": b} | base)
+        for name, draft in drafts.items():
+            for k in args.spec_tokens:
+
+                def spec(draft=draft, k=k, pages=pages, b=b):
+                    dpool = draft.make_pool(pages, args.page_size, role="draft")
+                    pool = target.make_pool(pages, args.page_size)
+                    return SpecEngine(target, pool, DraftSpec(draft, dpool, k), max_batch=b)
+
+                res = measure(spec, prompts, args)
+                res["speedup"] = res["decode_tok_s"] / base["decode_tok_s"]
+                res["same"] = res["outputs"] == base["outputs"]
+                log(f"batch {b} {name} k={k}: {res['decode_tok_s']:.1f} tok/s")
+                rows.append({"config": f"{name} k={k}", "batch": b} | res)
+    for r in rows:
+        r.pop("outputs")
+    meta = run_meta(args, max_tokens=args.max_tokens, target_layers=target.config.num_layers)
+    if args.json:
+        print(json.dumps({"meta": meta, "results": rows}))
+        return 0
+    print(
+        f"decode tokens/s, median of {args.runs} runs ({args.device}, {args.dtype}, "
+        f"{meta['threads']} threads, {args.max_tokens} tokens/seq, greedy)"
+    )
+    head = ["config", "batch", "tok/s", "speedup", "accept", "mean len", "same"]
+    print(f"{head[0]:<24}" + "".join(f"{h:>10}" for h in head[1:]))
+    for r in rows:
+        cells = [
+            str(r["batch"]),
+            f"{r['decode_tok_s']:.1f}",
+            f"{r.get('speedup', 1.0):.2f}x",
+            f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else "-",
+            f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-",
+            {True: "yes", False: "NO"}.get(r.get("same"), "-"),
+        ]
+        print(f"{r['config']:<24}" + "".join(f"{c:>10}" for c in cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

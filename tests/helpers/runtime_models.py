@@ -1,0 +1,164 @@
+"""Tiny random checkpoints (written with transformers ``save_pretrained``) for runtime tests.
+
+Each is built once per test session into a temporary directory. ``initializer_range`` is large
+(0.15) so greedy outputs vary from token to token and logit ties are unlikely.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+
+import torch
+
+_ROOT = tempfile.mkdtemp(prefix="runtime_models_")
+atexit.register(shutil.rmtree, _ROOT, True)
+
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    max_position_embeddings=512,
+    initializer_range=0.15,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        **COMMON,
+        num_key_value_heads=2,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**COMMON, num_key_value_heads=1, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(cfg)
+
+
+def _mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(
+        **COMMON,
+        num_key_value_heads=2,
+        sliding_window=16,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    )
+    return MistralForCausalLM(cfg)
+
+
+MLA = dict(
+    COMMON,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+)
+
+
+def _deepseek_v3():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        **MLA, n_routed_experts=8, n_group=2, topk_group=1, q_lora_rank=24, num_key_value_heads=4
+    )
+    return DeepseekV3ForCausalLM(cfg)
+
+
+def _deepseek_v2():
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    cfg = DeepseekV2Config(
+        **MLA,
+        n_routed_experts=6,
+        q_lora_rank=None,
+        topk_method="greedy",
+        routed_scaling_factor=1.5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    )
+    return DeepseekV2ForCausalLM(cfg)
+
+
+BUILDERS = {
+    "llama": _llama,
+    "qwen2": _qwen2,
+    "mistral": _mistral,
+    "deepseek_v3": _deepseek_v3,
+    "deepseek_v2": _deepseek_v2,
+}
+
+
+@functools.cache
+def checkpoint(kind: str) -> str:
+    """Directory of the tiny ``kind`` checkpoint (built on first use)."""
+    torch.manual_seed(1234)
+    model = BUILDERS[kind]().eval()
+    with torch.no_grad():  # exercise the bias path of V3 routing
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.1)
+    path = f"{_ROOT}/{kind}"
+    model.save_pretrained(path)
+    return path
+
+
+@functools.cache
+def hf_model(kind: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(checkpoint(kind), dtype=torch.float32).eval()
+
+
+def hf_greedy(kind: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    return greedy_generate(hf_model(kind), prompt, max_new_tokens)
+
+
+def greedy_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of ``prompt`` (no EOS stop: pad id 0)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def random_prompt(n: int, seed: int, vocab: int = 256) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()

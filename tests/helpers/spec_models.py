@@ -1,0 +1,52 @@
+"""Helpers for the speculative decoding tests: engines, drafts, target-only references."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from backends.runtime.engine import LLMEngine
+from backends.runtime.runner import ModelRunner
+from backends.runtime.sampler import SamplingParams
+from backends.runtime.spec import DraftSpec, SpecEngine
+
+
+def noisy_draft(target: ModelRunner, scale: float, seed: int = 0) -> ModelRunner:
+    """The target with Gaussian noise on its LM head: a draft with partial acceptance."""
+    g = torch.Generator().manual_seed(seed)
+    head = target.model.lm_head
+    draft = copy.copy(target)
+    draft.model = copy.copy(target.model)
+    draft.model.lm_head = head + scale * head.std() * torch.randn(head.shape, generator=g)
+    return draft
+
+
+def spec_engine(
+    target: ModelRunner,
+    draft: ModelRunner,
+    k: int = 3,
+    pages: int = 64,
+    page_size: int = 4,
+    draft_page_size: int = 4,
+    max_batch: int = 16,
+) -> SpecEngine:
+    dpool = draft.make_pool(pages, draft_page_size, role="draft")
+    pool = target.make_pool(pages, page_size)
+    return SpecEngine(target, pool, DraftSpec(draft, dpool, k), max_batch=max_batch)
+
+
+_REFERENCES: dict = {}
+
+
+def reference(target: ModelRunner, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Target-only greedy output of the plain engine (itself checked against transformers)."""
+    key = (id(target), tuple(prompt), params)
+    if key not in _REFERENCES:
+        engine = LLMEngine(target, target.make_pool(64, 4), max_batch=1)
+        _REFERENCES[key] = (target, engine.generate([(prompt, params)])[0].output_ids)
+    return list(_REFERENCES[key][1])  # the key holds the runner alive: its id stays unique
+
+
+def greedy(max_tokens: int, ignore_eos: bool = True) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
