@@ -4,6 +4,9 @@
 #
 #   docker build -t pd-triton .
 #   docker run --gpus all --shm-size 2g -p 8000:8000 -p 8001:8001 -p 8002:8002 pd-triton
+# The stages' device is `auto`: with GPUs visible they run on cuda:0 out of the box; place them
+# on separate GPUs with e.g. `... pd-triton bash scripts/serve.sh --foreground --prefill-gpus 0
+# --decode-gpus 1`. scripts/gpu_check.sh runs the CUDA checks inside the image.
 FROM nvcr.io/nvidia/tritonserver:24.10-py3
 
 ENV DEBIAN_FRONTEND=noninteractive \

@@ -19,6 +19,12 @@ Measured with mooncake-transfer-engine(-non-cuda) 0.3.13 over loopback TCP:
   fails AND every later write to that peer fails too (seen for 10 s+). Hence the caps.
 * A write to an unregistered remote address fails (-1) without harming later writes.
 * Throughput is the same for sync and async batches of the same size.
+
+Completion fences: a job may carry a ``fence`` (anything with a non-blocking ``query()`` that
+turns True once the compute that wrote the job's source bytes has finished: a CUDA event on
+GPUs, where kernels run asynchronously; None on CPU, where the bytes are there when the compute
+call returns). The worker, never the caller, polls it before submitting any batch of the job,
+and meanwhile keeps reaping batches already in flight. Jobs are submitted in FIFO order.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 from .config import TransferConfig
 from .layout import Transfer
@@ -47,28 +54,67 @@ class EngineError(RuntimeError):
     pass
 
 
+def _preload_cudart() -> bool:
+    """Mooncake's CUDA build links libcudart.so.12, which a host whose torch uses another CUDA
+    major may only have inside the ``nvidia-cuda-runtime-cu12`` wheel: load it from there."""
+    import ctypes
+    import glob
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia.cuda_runtime")
+    for path in spec.submodule_search_locations if spec else []:
+        for lib in sorted(glob.glob(os.path.join(path, "lib", "libcudart.so.12*"))):
+            ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+            return True
+    return False
+
+
 def _load_transfer_engine():
     try:
         from mooncake.engine import TransferEngine
     except ImportError as e:
-        raise EngineError(f"{INSTALL_HINT} ({e})") from e
+        if "libcudart.so.12" not in str(e) or not _preload_cudart():
+            raise EngineError(f"{INSTALL_HINT} ({e})") from e
+        from mooncake.engine import TransferEngine
     return TransferEngine
 
 
 DoneCallback = Callable[[bool], None]
+FENCE_POLL_S = 0.0005
+
+
+class Fence(Protocol):
+    def query(self) -> bool:
+        """True once the work the fence was recorded after has completed (non-blocking)."""
 
 
 class _Job:
     """One submit(): its batches, and whether all were handed to Mooncake yet."""
 
-    __slots__ = ("session", "transfers", "callback", "pending", "ok", "submitted", "reported")
+    __slots__ = (
+        "session", "transfers", "callback", "fence", "pending", "ok", "submitted", "reported"
+    )  # fmt: skip
 
-    def __init__(self, session: str, transfers: list[Transfer], callback: DoneCallback):
+    def __init__(self, session, transfers: list[Transfer], callback: DoneCallback, fence):
         self.session, self.transfers, self.callback = session, transfers, callback
+        self.fence: Fence | None = fence
         self.pending = 0  # batches submitted and not yet reaped
         self.ok = True
         self.submitted = False  # no more batches of this job will be submitted
         self.reported = False  # callback ran
+
+    def fence_ready(self) -> bool:
+        """True when the job's source bytes are final; a fence that raises fails the job."""
+        if self.fence is None:
+            return True
+        try:
+            if not self.fence.query():
+                return False
+        except Exception:
+            log.exception("completion fence failed: the job fails")
+            self.ok = False
+        self.fence = None
+        return True
 
     def maybe_report(self) -> None:
         # A job may span several batches; reaping its first batch before the next one is
@@ -129,53 +175,69 @@ class Engine:
         self._regions[addr] = length
 
     # ---- transfers ---------------------------------------------------------------------------
-    def submit(self, session: str, transfers: list[Transfer], callback: DoneCallback) -> None:
-        """Queue writes; ``callback(ok)`` runs once, on a worker thread, when all have ended."""
+    def submit(
+        self,
+        session: str,
+        transfers: list[Transfer],
+        callback: DoneCallback,
+        fence: Fence | None = None,
+    ) -> None:
+        """Queue writes; ``callback(ok)`` runs once, on a worker thread, when all have ended.
+        No batch is handed to Mooncake before ``fence`` (if any) reports completion."""
         if self._closed:
             raise EngineError("engine is closed")
-        if not transfers:
-            callback(True)
-            return
-        self._queue.put(_Job(session, transfers, callback))
+        self._queue.put(_Job(session, transfers, callback, fence))
 
     def _work(self) -> None:
         inflight: deque[_Batch] = deque()
+        fenced: deque[_Job] = deque()  # the head job, while its compute fence is pending
         load = 0
-        step = self.config.max_batch_entries
         while True:
-            if inflight:
+            if fenced:
+                job = fenced.popleft()
+            elif inflight:
                 job = self._get(self._sleep_for(inflight[0]))
             elif self._closed and self._queue.empty():
                 return
             else:
                 job = self._get(0.5)
-                if job is None and not inflight:
+            if job is not None and not job.fence_ready():
+                fenced.append(job)  # FIFO: later jobs wait behind it
+                if not (inflight and self._sleep_for(inflight[0]) <= 0):
+                    time.sleep(FENCE_POLL_S)
                     continue
+                job = None
             if job is not None:
-                for i in range(0, len(job.transfers), step):
-                    chunk = job.transfers[i : i + step]
-                    while inflight and load + len(chunk) > self._per_worker:
-                        time.sleep(self._sleep_for(inflight[0]))
-                        load -= self._reap(inflight)
-                    if not job.ok:  # an earlier chunk failed: don't send the rest
-                        break
-                    bid = self._te.batch_transfer_async_write(
-                        job.session,
-                        [t.src for t in chunk],
-                        [t.dst for t in chunk],
-                        [t.length for t in chunk],
-                    )
-                    if not bid or bid < 0:
-                        log.warning("batch submit to %s failed (%s)", job.session, bid)
-                        job.ok = False
-                        break
-                    job.pending += 1
-                    inflight.append(self._batch(bid, chunk, job))
-                    load += len(chunk)
-                job.submitted = True
-                job.maybe_report()
+                load = self._submit_job(job, inflight, load)
             elif inflight and self._sleep_for(inflight[0]) <= 0:
                 load -= self._reap(inflight)
+
+    def _submit_job(self, job: _Job, inflight: deque[_Batch], load: int) -> int:
+        """Hand a job's chunks to Mooncake (waiting for room in flight); returns the new load."""
+        step = self.config.max_batch_entries
+        for i in range(0, len(job.transfers), step):
+            chunk = job.transfers[i : i + step]
+            while inflight and load + len(chunk) > self._per_worker:
+                time.sleep(self._sleep_for(inflight[0]))
+                load -= self._reap(inflight)
+            if not job.ok:  # an earlier chunk failed: don't send the rest
+                break
+            bid = self._te.batch_transfer_async_write(
+                job.session,
+                [t.src for t in chunk],
+                [t.dst for t in chunk],
+                [t.length for t in chunk],
+            )
+            if not bid or bid < 0:
+                log.warning("batch submit to %s failed (%s)", job.session, bid)
+                job.ok = False
+                break
+            job.pending += 1
+            inflight.append(self._batch(bid, chunk, job))
+            load += len(chunk)
+        job.submitted = True
+        job.maybe_report()
+        return load
 
     def _batch(self, bid: int, chunk: list[Transfer], job: _Job) -> _Batch:
         nbytes = sum(t.length for t in chunk)

@@ -4,7 +4,8 @@ Flow of one room::
 
     decode  --Register(room, session, entries)-->  bootstrap ROUTER (kept until start_room)
     prefill start_room(room)          -> claims: checks every entry's layout, --Ack-->
-    prefill send_group(room, role, L) -> writes those layers' pages (queued until registered)
+    prefill send_group(room, role, L, fence) -> writes those layers' pages (queued until
+                                         registered; never before `fence` completed)
     prefill finish(room, first_token) -> --Complete--> once every queued write has landed
     any failure                        -> --Fail(reason)--> and the room is Failed
 
@@ -25,6 +26,7 @@ import zmq
 from . import messages as m
 from .config import TransferConfig
 from .control import ControlLoop, ReleaseCallback
+from .engine import Fence
 from .layout import EntryLayout, check_compatible, group_transfers
 from .state import Room, RoomStatus
 
@@ -49,7 +51,7 @@ class Claim:
 class SenderRoom(Room):
     src_pages: dict[str, list[int]]  # role -> prefill's pages of the room
     claim: Claim | None = None  # set once decode's Register for the room is claimed
-    queued: list[tuple[str, range]] = field(default_factory=list)  # groups before the claim
+    queued: list[tuple] = field(default_factory=list)  # (role, layers, fence) before the claim
     outstanding: int = 0  # groups whose writes are in flight
     finish: tuple[int, dict] | None = None  # (first token, extra) once prefill finished
     tell_decode: bool = False  # send Fail to decode once the writes drained
@@ -88,14 +90,17 @@ class KVSender(ControlLoop):
         pages = {r: list(p) for r, p in src_pages.items()}
         self.call(self._start, room, pages, on_release).result()
 
-    def send_group(self, room: int, role: str, layers: range) -> None:
-        """Queue the writes of ``layers`` of entry ``role`` (non-blocking)."""
+    def send_group(self, room: int, role: str, layers: range, fence: Fence | None = None) -> None:
+        """Queue the writes of ``layers`` of entry ``role`` (non-blocking for the caller).
+
+        ``fence``: the completion fence of the compute that wrote those layers (a CUDA event;
+        None on CPU). A transfer worker waits for it before any byte of the group leaves."""
         lay = self.layouts.get(role)
         if lay is None:
             raise ValueError(f"no local entry {role!r}")
         if not (0 <= layers.start < layers.stop <= lay.num_layers and layers.step == 1):
             raise ValueError(f"layers {layers} outside [0, {lay.num_layers}) of entry {role}")
-        self.call(self._send_group, room, role, layers)
+        self.call(self._send_group, room, role, layers, fence)
 
     def finish(self, room: int, first_token: int, extra: dict | None = None) -> None:
         """Send Complete with the aux data once all queued writes of the room have landed."""
@@ -163,11 +168,11 @@ class KVSender(ControlLoop):
         self.advance(r, RoomStatus.WaitingForInput)
         r.deadline = time.monotonic() + self.config.transfer_timeout_s
         queued, r.queued = r.queued, []
-        for role, layers in queued:
-            self._launch(r, role, layers)
+        for role, layers, fence in queued:
+            self._launch(r, role, layers, fence)
         self._maybe_complete(r)
 
-    def _send_group(self, room: int, role: str, layers: range) -> None:
+    def _send_group(self, room: int, role: str, layers: range, fence) -> None:
         r = self.rooms.get(room)
         if r is None and not self.rooms.ended(room):
             log.warning("kv-sender: send_group for unknown room %d ignored", room)
@@ -176,11 +181,11 @@ class KVSender(ControlLoop):
         if role not in r.src_pages:
             self._fail(room, f"send_group for entry {role!r} the room has no pages in", True)
         elif r.claim is None:
-            r.queued.append((role, layers))
+            r.queued.append((role, layers, fence))
         else:
-            self._launch(r, role, layers)
+            self._launch(r, role, layers, fence)
 
-    def _launch(self, r: SenderRoom, role: str, layers: range) -> None:
+    def _launch(self, r: SenderRoom, role: str, layers: range, fence=None) -> None:
         src = r.src_pages[role]
         try:
             transfers = group_transfers(
@@ -203,7 +208,7 @@ class KVSender(ControlLoop):
             self.transfer_stats.group_done(g, ok)
             self.call(self._group_done, room, role, layers, ok)
 
-        self.engine.submit(r.claim.reg.session_id, transfers, done)
+        self.engine.submit(r.claim.reg.session_id, transfers, done, fence)
 
     def _group_done(self, room: int, role: str, layers: range, ok: bool) -> None:
         r = self.rooms.get(room)

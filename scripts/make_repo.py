@@ -3,11 +3,15 @@
     python scripts/make_repo.py --out /tmp/repo --model models/smollm2-135m-instruct \\
         --set decode.max_batch=8 --set num_pages=256 --instances prefill=2
     python scripts/make_repo.py --out /tmp/repo --set spec_enabled=true --set spec_tokens=3
+    python scripts/make_repo.py --out /tmp/repo --prefill-gpus 0,1 --decode-gpus 2,3
 
 ``--set stage.param=value`` changes one stage; ``--set param=value`` every stage that uses the
 parameter (backends/stages/params.py says which; an unknown name is an error). ``--model DIR``
-sets ``model_dir`` everywhere (made absolute). Values are checked with the same parser the
-stages use at load, so a repository that make_repo writes loads.
+sets ``model_dir`` everywhere (made absolute). ``--prefill-gpus 0,1`` / ``--decode-gpus 2,3``
+place a stage on GPUs: its ``instance_group`` becomes ``KIND_GPU`` with those GPUs, one instance
+per GPU (times ``--instances``), and ``device: auto`` (the default) runs each on its own GPU.
+Values are checked with the same parser the stages use at load, so a repository that make_repo
+writes loads.
 """
 
 from __future__ import annotations
@@ -49,7 +53,41 @@ def set_instances(text: str, count: int) -> str:
     return new
 
 
-def make_repo(out: str, model: str | None = None, sets=(), instances=(), src: str = SRC) -> str:
+def set_gpus(text: str, gpus: list[int]) -> str:
+    """Make the single instance_group KIND_GPU on ``gpus`` (keeping its count per GPU)."""
+    pat = r"instance_group\s*\[\s*\{\s*count:\s*(\d+)\s*,\s*kind:\s*KIND_\w+[^}]*\}\s*\]"
+    listed = ", ".join(str(g) for g in gpus)
+    new, n = re.subn(
+        pat,
+        lambda m: (
+            f"instance_group [ {{ count: {m.group(1)}, kind: KIND_GPU, gpus: [ {listed} ] }} ]"
+        ),
+        text,
+    )
+    if n != 1:
+        raise SystemExit("config has no single instance_group to place on GPUs")
+    return new
+
+
+def parse_gpus(spec: str, flag: str) -> list[int]:
+    """``"0,1"`` -> [0, 1]; SystemExit naming the flag otherwise."""
+    try:
+        gpus = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"{flag} {spec!r}: expected GPU indices like 0,1") from None
+    if not gpus or any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise SystemExit(f"{flag} {spec!r}: expected distinct GPU indices like 0,1")
+    return gpus
+
+
+def make_repo(
+    out: str,
+    model: str | None = None,
+    sets=(),
+    instances=(),
+    src: str = SRC,
+    gpus: dict[str, list[int]] | None = None,
+) -> str:
     if os.path.abspath(out) == os.path.abspath(src):
         raise SystemExit("--out must differ from the source repository")
     if os.path.exists(out):
@@ -78,6 +116,8 @@ def make_repo(out: str, model: str | None = None, sets=(), instances=(), src: st
         if stage not in STAGES or not n.isdigit() or int(n) < 1:
             raise SystemExit(f"--instances {item!r}: expected STAGE=N with N >= 1")
         configs[stage] = set_instances(configs[stage], int(n))
+    for stage, ids in (gpus or {}).items():
+        configs[stage] = set_gpus(configs[stage], ids)
     for s, text in configs.items():
         try:
             parse_params(read_params(text), s)
@@ -95,8 +135,15 @@ def main(argv=None) -> int:
     ap.add_argument("--model", help="checkpoint directory for every stage")
     ap.add_argument("--set", action="append", default=[], metavar="[STAGE.]PARAM=VALUE")
     ap.add_argument("--instances", action="append", default=[], metavar="STAGE=N")
+    ap.add_argument("--prefill-gpus", metavar="0,1", help="place prefill on these GPUs")
+    ap.add_argument("--decode-gpus", metavar="2,3", help="place decode on these GPUs")
     args = ap.parse_args(argv)
-    print(make_repo(args.out, args.model, args.set, args.instances, args.src))
+    gpus = {
+        stage: parse_gpus(spec, f"--{stage}-gpus")
+        for stage, spec in (("prefill", args.prefill_gpus), ("decode", args.decode_gpus))
+        if spec
+    }
+    print(make_repo(args.out, args.model, args.set, args.instances, args.src, gpus))
     return 0
 
 

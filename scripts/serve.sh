@@ -4,6 +4,7 @@
 #   scripts/serve.sh [--model-repo DIR] [--model CKPT] [--http-port 8000] [--grpc-port 8001]
 #                    [--metrics-port 8002] [--foreground] [--log FILE] [--stop]
 #                    [--draft DIR | --draft-layers K] [--spec-tokens N]
+#                    [--prefill-gpus 0,1] [--decode-gpus 2,3]
 #
 # tritonserver: the one on PATH (NGC image: /opt/tritonserver/bin), else the binary of the
 # nvidia-pytriton wheel in .venv (scripts/triton_paths.py). Default: start in the background,
@@ -13,12 +14,14 @@
 # Speculative decoding (any of these turns it on, in prefill and decode alike): --draft DIR (a
 # draft checkpoint sharing the target's vocabulary), --draft-layers K (self-draft: the target's
 # first K layers; the default when no --draft), --spec-tokens N (draft tokens per step).
+# --prefill-gpus / --decode-gpus LIST place a stage on GPUs (KIND_GPU, one instance per GPU);
+# without them each stage's device is `auto` (its GPU, else cuda:0 when there is one, else CPU).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 HTTP=8000 GRPC=8001 METRICS=8002 FOREGROUND=0 STOP=0 CKPT="" REPO="$ROOT/model_repository"
 RUN_DIR="${PD_RUN_DIR:-$ROOT/.run}"
 LOG="" TIMEOUT="${PD_SERVE_TIMEOUT:-300}"
-SETS=()
+SETS=() PLACE=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --http-port) HTTP="$2"; shift 2 ;;
@@ -32,9 +35,12 @@ while [ $# -gt 0 ]; do
       SETS+=(--set spec_enabled=true --set "draft_model_dir=$(cd "$2" && pwd)"); shift 2 ;;
     --draft-layers) SETS+=(--set spec_enabled=true --set "draft_layers=$2"); shift 2 ;;
     --spec-tokens) SETS+=(--set spec_enabled=true --set "decode.spec_tokens=$2"); shift 2 ;;
+    --prefill-gpus|--decode-gpus)
+      [[ "${2:-}" =~ ^[0-9]+(,[0-9]+)*$ ]] || { echo "serve.sh: $1 needs GPU indices like 0,1" >&2; exit 2; }
+      PLACE+=("$1" "$2"); shift 2 ;;
     --foreground) FOREGROUND=1; shift ;;
     --stop) STOP=1; shift ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "serve.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -61,11 +67,11 @@ else
   eval "$("$PY" "$ROOT/scripts/triton_paths.py")"
   "$PY" "$ROOT/scripts/triton_paths.py" --install-stub >/dev/null
 fi
-if [ -n "$CKPT" ] || [ ${#SETS[@]} -gt 0 ]; then
+if [ -n "$CKPT" ] || [ ${#SETS[@]} -gt 0 ] || [ ${#PLACE[@]} -gt 0 ]; then
   OUT="$RUN_DIR/model_repository-$HTTP"
   MR=("$ROOT/scripts/make_repo.py" --src "$REPO" --out "$OUT")
   [ -n "$CKPT" ] && MR+=(--model "$CKPT")
-  "$PY" "${MR[@]}" ${SETS[@]+"${SETS[@]}"} >/dev/null
+  "$PY" "${MR[@]}" ${SETS[@]+"${SETS[@]}"} ${PLACE[@]+"${PLACE[@]}"} >/dev/null
   REPO="$OUT"
 fi
 SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

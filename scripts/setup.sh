@@ -38,7 +38,9 @@ fi
 if [ "$TARGET" = cuda ]; then
   HAS_CUDA=1
   TORCH_SPEC="torch"
-  MOONCAKE="mooncake-transfer-engine==0.3.13.post1"
+  # the CUDA build of Mooncake links libcudart.so.12; the wheel below provides it whatever CUDA
+  # major torch uses (kvtransfer/engine.py loads it from there when the system has none)
+  MOONCAKE="mooncake-transfer-engine==0.3.13.post1 nvidia-cuda-runtime-cu12"
 else
   HAS_CUDA=0
   TORCH_SPEC="torch==2.13.0"          # the CPU build on disk; unpinned torch pulls CUDA wheels
@@ -46,7 +48,7 @@ else
 fi
 step "python packages (cuda=$HAS_CUDA)"
 "$VPY" -m pip install -q "$TORCH_SPEC"
-"$VPY" -m pip install -q "$MOONCAKE"
+"$VPY" -m pip install -q $MOONCAKE
 if ! command -v tritonserver >/dev/null 2>&1; then
   "$VPY" -m pip install -q "nvidia-pytriton==0.7.0"
 fi

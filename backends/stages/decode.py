@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 from kvtransfer import KVReceiver, RoomStatus
 
+from ..runtime.device import resolve_device
 from ..runtime.engine import LLMEngine, StepOutput
 from ..runtime.runner import ModelRunner
 from ..runtime.sequence import check_context
@@ -52,7 +53,7 @@ class DecodeWorker:
     def __init__(self, params: StageParams, runner: ModelRunner | None = None, name="decode"):
         self.params = params
         self.runner = runner or ModelRunner.load(
-            params.model_path, dtype=params.dtype, device=params.device
+            params.model_path, dtype=params.dtype, device=resolve_device(params.device)
         )
         self.pool = self.runner.make_pool(params.num_pages, params.page_size)
         self.draft = load_stage_draft(params, self.runner)  # None: speculative decoding off

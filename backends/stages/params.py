@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, fields
+import re
+from dataclasses import dataclass, field, fields, replace
 
 from kvtransfer import LayerGroupPolicy, TransferConfig
 from kvtransfer.config import PROTOCOLS
 
+from ..runtime.device import resolve_device
 from ..runtime.dtypes import MODEL_DTYPES
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,7 +40,12 @@ class StageParams:
         "HF checkpoint directory (relative to the repository root, or absolute)",
     )
     dtype: str = _p("float32", PD, f"model and KV dtype: {' or '.join(MODEL_DTYPES)}")
-    device: str = _p("cpu", PD, "torch device (`cpu`, `cuda`, `cuda:N`)")
+    device: str = _p(
+        "auto",
+        PD,
+        "`auto` (the instance's GPU with `KIND_GPU`, else `cuda:0` when torch sees a GPU, else"
+        " `cpu`), `cpu`, `cuda`, `cuda:N`; the log names the device chosen",
+    )
     page_size: int = _p(
         16, PD, "tokens per KV page; prefill and decode must agree (checked at handshake)"
     )
@@ -119,6 +126,10 @@ class StageParams:
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"parameter dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(
+                f"parameter device must be auto, cpu, cuda or cuda:N, got {self.device!r}"
+            )
         if self.transport not in PROTOCOLS:
             raise ValueError(
                 f"parameter transport must be one of {PROTOCOLS}, got {self.transport!r}"
@@ -147,6 +158,11 @@ class StageParams:
     def draft_path(self) -> str | None:
         """The draft checkpoint directory (absolute), or None for a self-draft."""
         return resolve_path(self.draft_model_dir) if self.draft_model_dir else None
+
+    def on_instance(self, kind: str = "", device_id: int = -1) -> StageParams:
+        """These parameters with ``device`` resolved for a serving instance (Triton's
+        ``model_instance_kind`` / ``model_instance_device_id``)."""
+        return replace(self, device=resolve_device(self.device, kind, device_id))
 
     def policy(self) -> LayerGroupPolicy:
         try:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from kvtransfer import KVSender
 
+from ..runtime.device import record_fence, resolve_device
 from ..runtime.kv_pool import KVPool
 from ..runtime.runner import ModelRunner
 from ..runtime.sampler import sample
@@ -60,7 +61,7 @@ class PrefillWorker:
     ):
         self.params = params
         self.runner = runner or ModelRunner.load(
-            params.model_path, dtype=params.dtype, device=params.device
+            params.model_path, dtype=params.dtype, device=resolve_device(params.device)
         )
         self.pool: KVPool = self.runner.make_pool(params.num_pages, params.page_size)
         self.draft = load_stage_draft(params, self.runner)  # None: speculative decoding off
@@ -74,6 +75,9 @@ class PrefillWorker:
         self.bootstrap_addr = self.sender.bootstrap_addr
         self.name = f"{name}{instance_index}"
         self.trace = TraceWriter(params.trace_dir, self.name)
+        # completion fence of the work queued so far on the compute stream (None on CPU); the
+        # sender's transfer worker waits on it, never this worker's compute thread
+        self.record_fence = lambda: record_fence(self.runner.device)
         self._freed = threading.Condition()
         self.counters = {"requests": 0, "failed": 0}
         self._queue: queue.Queue = queue.Queue()
@@ -157,9 +161,9 @@ class PrefillWorker:
         groups = groups or self.policy.groups(len(req.prompt_ids), self.runner.config.num_layers)
         t["groups"] = []
 
-        def on_group(a: int, b: int) -> None:
+        def on_group(a: int, b: int) -> None:  # layers [a, b) are launched: fence, hand over
             t["groups"].append([a, b, time.time()])
-            self.sender.send_group(req.room, "target", range(a, b))
+            self.sender.send_group(req.room, "target", range(a, b), self.record_fence())
 
         logits = self.runner.prefill(
             self.pool, req.prompt_ids, pages["target"], groups=groups, on_group=on_group
@@ -172,7 +176,8 @@ class PrefillWorker:
                 copy_prefix_kv(self.pool, pages["target"], self.draft_pool, pages[DRAFT])
             else:
                 self.draft.prefill(self.draft_pool, req.prompt_ids, pages[DRAFT])
-            self.sender.send_group(req.room, DRAFT, range(self.draft.config.num_layers))
+            layers = range(self.draft.config.num_layers)
+            self.sender.send_group(req.room, DRAFT, layers, self.record_fence())
             t["draft_computed"] = time.time()
         return first
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import request as rq
 from .metrics import FAILURES, METRICS
+from .params import StageParams, from_triton_config
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,20 @@ log = logging.getLogger(__name__)
 def setup_env() -> None:
     os.environ.setdefault("GLOG_minloglevel", "2")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def stage_params(pb, args: dict, stage: str) -> StageParams:
+    """The stage's parameters (validated; a bad config fails the load) with ``device``
+    resolved for this instance (its GPU when Triton gave it one); logs the device chosen."""
+    params = from_triton_config(args["model_config"], stage)
+    if stage in ("prefill", "decode"):
+        kind = str(args.get("model_instance_kind", ""))
+        device_id = int(args.get("model_instance_device_id") or -1) if kind == "GPU" else -1
+        asked, params = params.device, params.on_instance(kind, device_id)
+        name = args.get("model_instance_name", stage)
+        where = f"instance KIND_{kind} {device_id if kind == 'GPU' else ''}".rstrip()
+        pb.Logger.log_info(f"{name}: running on {params.device} (device: {asked}, {where})")
+    return params
 
 
 def inputs(pb, request) -> dict[str, np.ndarray]:

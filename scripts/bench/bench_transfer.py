@@ -63,12 +63,35 @@ def pick_pages(rng, num_pages: int, n: int, fragmented: bool) -> list[int]:
     return [int(p) for p in rng.permutation(num_pages)[:n]]
 
 
-def decode_main(conn, layout_kw: dict, config_kw: dict) -> None:
+class Buffer:
+    """A pool's bytes on ``device`` (numpy on the CPU, a torch tensor on a GPU); ``host()`` is
+    a numpy view (a copy from a GPU) for checks, never on the timed path."""
+
+    def __init__(self, data: np.ndarray, device: str):
+        self.np, self.t = data, None
+        self.addr = data.ctypes.data
+        if device != "cpu":
+            import torch
+
+            self.t = torch.from_numpy(data).to(device)
+            self.addr = self.t.data_ptr()
+
+    def host(self) -> np.ndarray:
+        return self.np if self.t is None else self.t.cpu().numpy()
+
+    def zero(self) -> None:
+        if self.t is None:
+            self.np[:] = 0
+        else:
+            self.t.zero_()
+
+
+def decode_main(conn, layout_kw: dict, config_kw: dict, device: str) -> None:
     from kvtransfer import KVReceiver, TransferConfig
 
     lay = entry(**layout_kw)
-    buf = np.zeros(lay.nbytes, np.uint8)
-    lay = lay.with_pool(lay.num_pages, buf.ctypes.data)
+    pool = Buffer(np.zeros(lay.nbytes, np.uint8), device)
+    lay = lay.with_pool(lay.num_pages, pool.addr)
     rx = KVReceiver(TransferConfig(**config_kw), {"target": lay})
     conn.send((rx.session_id, lay.base_addr))
     while True:
@@ -83,13 +106,11 @@ def decode_main(conn, layout_kw: dict, config_kw: dict) -> None:
             conn.send("ok")
         elif cmd[0] == "wait":
             conn.send(rx.wait(cmd[1], 120).name)
-        elif cmd[0] == "zero":  # clear the pages, so each mode must deliver every byte
-            for layer in range(lay.num_layers):
-                for c in range(lay.components):
-                    slab(lay, buf, layer, c)[cmd[1]] = 0
+        elif cmd[0] == "zero":  # clear the pool, so each mode must deliver every byte
+            pool.zero()
             conn.send("ok")
         elif cmd[0] == "digest":
-            conn.send(page_digest(lay, buf, cmd[1]))
+            conn.send(page_digest(lay, pool.host(), cmd[1]))
 
 
 def slab(lay, buf, layer: int, comp: int) -> np.ndarray:
@@ -160,13 +181,16 @@ def bench_layout(name: str, args) -> dict:
     config_kw = dict(host="127.0.0.1", max_batch_entries=args.batch)
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=decode_main, args=(child, layout_kw, config_kw), daemon=True)
+    args_ = (child, layout_kw, config_kw, args.device)
+    proc = ctx.Process(target=decode_main, args=args_, daemon=True)
     proc.start()
     session, dst_base = conn.recv()
 
     lay = entry(**layout_kw)
-    buf = np.random.default_rng(0).integers(0, 256, lay.nbytes, dtype=np.uint8)
-    src = lay.with_pool(pool_pages, buf.ctypes.data)
+    data = np.random.default_rng(0).integers(0, 256, lay.nbytes, dtype=np.uint8)
+    source = Buffer(data, args.device)  # lives for the whole run
+    buf = data  # the source bytes never change: the host array is their exact copy
+    src = lay.with_pool(pool_pages, source.addr)
     dst = lay.with_pool(pool_pages, dst_base)
     tx = KVSender(TransferConfig(**config_kw), {"target": src})
     te = tx.engine._te  # the raw Mooncake handle of the same engine
@@ -235,6 +259,7 @@ def main() -> None:
     )
     ap.add_argument("--batch", type=int, default=1024, help="kvtransfer max_batch_entries")
     ap.add_argument("--raw-batch", type=int, default=1024, help="raw batch size (entries)")
+    ap.add_argument("--device", default="cpu", help="where both pools live: cpu or cuda[:N]")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 

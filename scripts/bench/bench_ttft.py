@@ -72,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch threads of the prefill stage (1: compute keeps one core, the"
         " transfer thread the other; less sensitive to a shared machine)",
     )
+    ap.add_argument("--device", default="cpu", help="stage device: cpu, cuda or cuda:N")
     ap.add_argument("--runs", type=int, default=3, help="measured runs per cell (medians)")
     ap.add_argument("--link-gbit", type=float, default=None, help="emulated link rate (Gbit/s)")
     ap.add_argument("--link-burst", default="1mb")
@@ -177,7 +178,7 @@ def bench_model(name: str, args, progress: Progress) -> list[dict]:
     cells = plan(args)
     os.makedirs(args.out, exist_ok=True)
     max_tokens = max(n * c for n, c, _ in cells)
-    bench = DirectBench(path, max_tokens, args.threads, args.out)
+    bench = DirectBench(path, max_tokens, args.threads, args.out, args.device)
     triton = start_triton(args, path, bench.num_layers, max_tokens)
     samples = []
     try:
@@ -271,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         machine={
             "cpus": os.cpu_count(),
             "prefill_torch_threads": args.threads,
+            "device": args.device,
             "torch": torch.__version__,
             "load_avg_at_end": os.getloadavg(),
         },

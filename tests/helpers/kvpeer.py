@@ -53,20 +53,26 @@ class Allocator:
 class Peer:
     """side: "prefill" | "decode"; entries: role -> (layout name, page_size, num_pages)."""
 
-    def __init__(self, side: str, entries: dict, config: dict, seed: int = 0):
+    def __init__(self, side: str, entries: dict, config: dict, seed: int = 0, device="cpu"):
         from kvtransfer import EntryLayout, KVReceiver, KVSender, TransferConfig
 
-        self.side = side
+        self.side, self.device = side, device
         rng = np.random.default_rng(seed + (0 if side == "prefill" else 1))
-        self.bufs, self.layouts, self.alloc = {}, {}, {}
+        self.bufs, self.dev, self.layouts, self.alloc = {}, {}, {}, {}
         for role, (name, page_size, num_pages) in entries.items():
             lay = EntryLayout(role=role, page_size=page_size, num_pages=num_pages, **LAYOUTS[name])
             if side == "prefill":  # never zero, so decode can see bytes land
                 buf = rng.integers(1, 256, lay.nbytes, dtype=np.uint8)
             else:
                 buf = np.zeros(lay.nbytes, np.uint8)
+            addr = buf.ctypes.data
+            if device != "cpu":  # the pool lives on the GPU (Mooncake's CUDA build)
+                import torch
+
+                self.dev[role] = torch.from_numpy(buf).to(device)
+                addr = self.dev[role].data_ptr()
             self.bufs[role] = buf
-            self.layouts[role] = lay.with_pool(num_pages, buf.ctypes.data)
+            self.layouts[role] = lay.with_pool(num_pages, addr)
             self.alloc[role] = Allocator(num_pages, seed + len(self.alloc))
         cfg = TransferConfig(**config)
         cls = KVSender if side == "prefill" else KVReceiver
@@ -82,6 +88,12 @@ class Peer:
         self.lock = threading.Lock()
 
     # ---- helpers -----------------------------------------------------------------------------
+    def host(self, role: str) -> np.ndarray:
+        """The entry's bytes as they are now (a host copy when the pool is on a GPU)."""
+        if role in self.dev:
+            return self.dev[role].cpu().numpy()
+        return self.bufs[role]
+
     def info(self) -> dict:
         return {
             "bootstrap_addr": getattr(self.kv, "bootstrap_addr", None),
@@ -116,7 +128,7 @@ class Peer:
 
     def digest(self, room: int, role: str, n_pages: int | None = None) -> str:
         """sha256 over the room's pages of every (layer, component), in page-list order."""
-        lay, buf = self.layouts[role], self.bufs[role]
+        lay, buf = self.layouts[role], self.host(role)
         pages = self.history[room][role][:n_pages]
         h = hashlib.sha256()
         for layer in range(lay.num_layers):
@@ -205,7 +217,7 @@ class Peer:
     def _watch(self, room: int, groups: list, npages: dict) -> None:
         out = self.landed.setdefault(room, [])
         for role, a, b in groups:
-            lay, buf = self.layouts[role], self.bufs[role]
+            lay = self.layouts[role]
             # the last byte of every page of every component of the group's layers
             offs = [
                 lay.page_addr(layer, c, p) - lay.base_addr + lay.page_bytes - 1
@@ -215,13 +227,13 @@ class Peer:
             ]
             offs = np.array(offs)
             deadline = time.time() + 60
-            while time.time() < deadline and not buf[offs].all():
+            while time.time() < deadline and not self.host(role)[offs].all():
                 time.sleep(0.002)
             out.append((role, a, b, time.time()))
 
     def _landed(self, room: int, role: str, a: int, b: int, n: int) -> bool:
         """Every byte of layers [a, b) of the room's first n pages is written (non-zero)."""
-        lay, buf = self.layouts[role], self.bufs[role]
+        lay, buf = self.layouts[role], self.host(role)
         for layer in range(a, b):
             for c in range(lay.components):
                 for p in self.history[room][role][:n]:
@@ -243,10 +255,10 @@ class Peer:
         self.kv.close()
 
 
-def serve(conn, side: str, entries: dict, config: dict, seed: int) -> None:
+def serve(conn, side: str, entries: dict, config: dict, seed: int, device: str) -> None:
     os.environ.setdefault("GLOG_minloglevel", "2")
     try:
-        peer = Peer(side, entries, config, seed)
+        peer = Peer(side, entries, config, seed, device)
         conn.send(("ok", peer.info()))
     except Exception:
         conn.send(("err", traceback.format_exc()))
@@ -271,13 +283,17 @@ class PeerError(RuntimeError):
 
 
 class PeerProcess:
-    def __init__(self, side: str, entries: dict, config: dict | None = None, seed: int = 0):
+    """A Peer in its own process. ``device``: where its pools live (default: $PD_TEST_DEVICE,
+    else cpu), so scripts/gpu_check.sh runs the same transfer tests from CUDA pools."""
+
+    def __init__(
+        self, side: str, entries: dict, config: dict | None = None, seed: int = 0, device=None
+    ):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        env_cfg = dict(config or {})
-        self.proc = ctx.Process(
-            target=serve, args=(child, side, entries, env_cfg, seed), daemon=True
-        )
+        device = device or os.environ.get("PD_TEST_DEVICE", "cpu")
+        args = (child, side, entries, dict(config or {}), seed, device)
+        self.proc = ctx.Process(target=serve, args=args, daemon=True)
         self.proc.start()
         self.info = self._recv(timeout=60)
 

@@ -2,6 +2,9 @@
 
 ``fail_role="draft"`` makes every KV write of that entry fail (the wrapped Mooncake engine
 reports the batch failed), to test how a room whose draft KV cannot be delivered ends.
+``fence_delay_s=D`` gives every layer group a completion fence that completes D seconds after
+the group was handed over (as a slow GPU stream would) and logs who polled it and when each
+Mooncake write was submitted (``fence_log()``).
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import threading
+import time
 
 
 def _fail_writes_of(worker, role: str) -> None:
@@ -17,16 +21,49 @@ def _fail_writes_of(worker, role: str) -> None:
     engine = worker.sender.engine
     submit = engine.submit
 
-    def failing_submit(session, transfers, callback):
+    def failing_submit(session, transfers, callback, fence=None):
         if any(lo <= t.src < hi for t in transfers):
             callback(False)  # as when Mooncake returns a failed status for the batch
             return
-        submit(session, transfers, callback)
+        submit(session, transfers, callback, fence)
 
     engine.submit = failing_submit
 
 
-def _serve(conn, params_kwargs: dict, fail_role: str | None) -> None:
+class _LoggedTE:
+    """Forwards to the real Mooncake engine; logs (time, lowest source address) of each write."""
+
+    def __init__(self, te, log: dict):
+        self._te, self._log = te, log
+
+    def __getattr__(self, name):
+        return getattr(self._te, name)
+
+    def batch_transfer_async_write(self, session, srcs, dsts, lens):
+        self._log["writes"].append((time.time(), min(srcs)))
+        return self._te.batch_transfer_async_write(session, srcs, dsts, lens)
+
+
+def _slow_fences(worker, delay: float) -> dict:
+    log = {"fences": [], "pollers": [], "writes": [], "compute_thread": threading.get_ident()}
+    lay = worker.pool.layout
+    log["layout"] = (lay.base_addr, lay.components * lay.num_pages * lay.page_bytes)
+
+    class SlowFence:
+        def __init__(self):
+            self.ready_at = time.time() + delay
+            log["fences"].append(self.ready_at)
+
+        def query(self) -> bool:
+            log["pollers"].append(threading.get_ident())
+            return time.time() >= self.ready_at
+
+    worker.record_fence = SlowFence
+    worker.sender.engine._te = _LoggedTE(worker.sender.engine._te, log)
+    return log
+
+
+def _serve(conn, params_kwargs: dict, fail_role: str | None, fence_delay: float) -> None:
     os.environ.setdefault("GLOG_minloglevel", "2")
     from backends.runtime.sampler import SamplingParams
     from backends.stages.params import StageParams
@@ -36,6 +73,7 @@ def _serve(conn, params_kwargs: dict, fail_role: str | None) -> None:
     worker = PrefillWorker(StageParams(**params_kwargs))
     if fail_role:
         _fail_writes_of(worker, fail_role)
+    log = _slow_fences(worker, fence_delay) if fence_delay else {}
     conn.send(worker.bootstrap_addr)
     while True:
         msg = conn.recv()
@@ -45,24 +83,36 @@ def _serve(conn, params_kwargs: dict, fail_role: str | None) -> None:
         if msg == "pages_in_use":
             conn.send(worker.pages_in_use)
             continue
+        if msg == "fence_log":
+            conn.send({**log, "pollers": sorted(set(log["pollers"]))})
+            continue
         room, ids = msg
         req = StageRequest(room=room, prompt_ids=ids, sampling=SamplingParams(max_tokens=1))
         res = worker.prefill_one(req)
-        conn.send((res.first_token, res.error))
+        conn.send((res.first_token, res.error, res.timing))
 
 
 class PrefillProcess:
-    def __init__(self, fail_role: str | None = None, **params_kwargs):
+    def __init__(self, fail_role: str | None = None, fence_delay_s: float = 0.0, **params_kwargs):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, params_kwargs, fail_role), daemon=True)
+        args = (child, params_kwargs, fail_role, fence_delay_s)
+        self.proc = ctx.Process(target=_serve, args=args, daemon=True)
         self.proc.start()
         if not self.conn.poll(120):
             raise RuntimeError("prefill process did not start")
         self.addr = self.conn.recv()
 
     def prefill(self, room: int, ids: list[int]):
+        """-> (first token, error); ``prefill_timed`` also returns the worker's timing."""
+        return self.prefill_timed(room, ids)[:2]
+
+    def prefill_timed(self, room: int, ids: list[int]):
         self.conn.send((room, ids))
+        return self.conn.recv()
+
+    def fence_log(self) -> dict:
+        self.conn.send("fence_log")
         return self.conn.recv()
 
     def pages_in_use(self) -> int:

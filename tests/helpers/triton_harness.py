@@ -40,14 +40,18 @@ class Server:
     log: str
 
 
-def launch(tmp, sets: list[str], instances: list[str] = ()) -> tuple[Server, list[str], dict]:
-    """Start scripts/serve.sh on a make_repo copy (``--set`` items, ``--instances`` items) in
-    ``tmp`` on free ports; returns (server, the serve.sh command, its env) for :func:`stop`."""
+def launch(
+    tmp, sets: list[str], instances: list[str] = (), repo_args: list[str] = ()
+) -> tuple[Server, list[str], dict]:
+    """Start scripts/serve.sh on a make_repo copy (``--set`` items, ``--instances`` items, any
+    other make_repo arguments such as ``--prefill-gpus 0``) in ``tmp`` on free ports; returns
+    (server, the serve.sh command, its env) for :func:`stop`."""
     repo, trace, run = tmp / "repo", tmp / "trace", tmp / "run"
     trace.mkdir()
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "make_repo.py"), "--out", str(repo)]
     cmd += [a for s in [*sets, f"trace_dir={trace}"] for a in ("--set", s)]
     cmd += [a for i in instances for a in ("--instances", i)]
+    cmd += list(repo_args)
     subprocess.run(cmd, check=True, capture_output=True)
     ports = [str(free_port()) for _ in range(3)]
     serve = [os.path.join(ROOT, "scripts", "serve.sh"), "--model-repo", str(repo)]

@@ -1,9 +1,26 @@
-"""Fixtures shared by the unit tests: runners of the tiny random checkpoints (built once)."""
+"""Fixtures shared by the unit tests: runners of the tiny random checkpoints (built once), and
+the device switch: with ``PD_TEST_DEVICE=cuda`` (scripts/gpu_check.sh) every ModelRunner the
+tests load runs on that device, so the same oracle tests check the CUDA path."""
 
 import pytest
 import runtime_models as rm
 
 from backends.runtime.runner import ModelRunner
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _runtime_device():
+    if rm.DEVICE == "cpu":
+        yield
+        return
+    load = ModelRunner.load.__func__
+
+    def on_device(cls, path, *, dtype="float32", device=rm.DEVICE, num_layers=None):
+        return load(cls, path, dtype=dtype, device=device, num_layers=num_layers)
+
+    ModelRunner.load = classmethod(on_device)
+    yield
+    ModelRunner.load = classmethod(load)
 
 
 @pytest.fixture(scope="session")

@@ -37,10 +37,10 @@ def test_prefill_logits_match_transformers(kind, runner):
     pool = runner.make_pool(16, 4)
     pages = pool.alloc(pool.pages_needed(len(prompt)))
     all_logits = runner.forward(pool, [SeqInput(prompt, 0, pages)])[0]
-    torch.testing.assert_close(all_logits, ref, atol=1e-4, rtol=1e-4)
+    rm.assert_close_to_reference(all_logits, ref)
     pool2 = runner.make_pool(16, 4)
     last = runner.prefill(pool2, prompt, pool2.alloc(6))
-    torch.testing.assert_close(last, ref[-1], atol=1e-4, rtol=1e-4)
+    rm.assert_close_to_reference(last, ref[-1])
 
 
 @pytest.mark.parametrize("seed", [0, 7])

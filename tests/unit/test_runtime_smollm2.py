@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import runtime_models as rm
 import torch
 
 from backends.runtime.engine import LLMEngine
@@ -62,7 +63,7 @@ def test_prefill_logits_match_transformers(tok, runner):
     logits = runner.prefill(
         pool, ids, pool.alloc(pool.pages_needed(len(ids))), groups=[(0, 10), (10, 20), (20, 30)]
     )
-    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+    rm.assert_close_to_reference(logits, ref)
 
 
 def test_batched_greedy_matches_transformers(tok, runner, hf_outputs):

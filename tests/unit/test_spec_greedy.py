@@ -154,7 +154,7 @@ def test_self_draft_equals_transformers_early_exit(llama):
         ref = hf.lm_head(hf.model.norm(h))
     draft = self_draft(llama, 2)
     got = draft.prefill(draft.make_pool(8, 4, "draft"), prompt, [0, 1, 2, 3])
-    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    rm.assert_close_to_reference(got, ref)
     loaded = ModelRunner.load(rm.checkpoint("llama"), num_layers=2)
     torch.testing.assert_close(loaded.prefill(loaded.make_pool(8, 4), prompt, [0, 1, 2, 3]), got)
 

@@ -16,7 +16,6 @@ import triton_python_backend_utils as pb
 
 from backends.stages import triton_glue as g
 from backends.stages.decode import DecodeEvent, DecodeWorker
-from backends.stages.params import from_triton_config
 
 FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -43,7 +42,7 @@ def _emitter(sender, room: int, cancel_addr: str):
 class TritonPythonModel:
     def initialize(self, args):
         g.setup_env()
-        self.worker = DecodeWorker(from_triton_config(args["model_config"], "decode"))
+        self.worker = DecodeWorker(g.stage_params(pb, args, "decode"))
         self.metrics = g.StageMetrics(pb, "decode", args["model_instance_name"], self.worker.stats)
 
     def execute(self, requests):

@@ -11,14 +11,13 @@ sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if
 import triton_python_backend_utils as pb
 
 from backends.stages import triton_glue as g
-from backends.stages.params import from_triton_config
 from backends.stages.text import Postprocessor
 
 
 class TritonPythonModel:
     def initialize(self, args):
         g.setup_env()
-        self.post = Postprocessor(from_triton_config(args["model_config"], "postprocess"))
+        self.post = Postprocessor(g.stage_params(pb, args, "postprocess"))
 
     def _cancel(self, request):
         """The client cancelled: stop decode for this room (ensembles do not cancel the running

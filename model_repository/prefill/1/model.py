@@ -17,7 +17,7 @@ sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if
 import triton_python_backend_utils as pb
 
 from backends.stages import triton_glue as g
-from backends.stages.params import from_triton_config, instance_index
+from backends.stages.params import instance_index
 from backends.stages.prefill import PrefillWorker
 
 FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -27,7 +27,7 @@ class TritonPythonModel:
     def initialize(self, args):
         g.setup_env()
         name = args["model_instance_name"]
-        params = from_triton_config(args["model_config"], "prefill")
+        params = g.stage_params(pb, args, "prefill")
         self.worker = PrefillWorker(params, instance_index=instance_index(name))
         self.metrics = g.StageMetrics(pb, "prefill", name, self.worker.stats)
 

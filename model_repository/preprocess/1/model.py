@@ -11,14 +11,13 @@ sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if
 import triton_python_backend_utils as pb
 
 from backends.stages import triton_glue as g
-from backends.stages.params import from_triton_config
 from backends.stages.text import Preprocessor
 
 
 class TritonPythonModel:
     def initialize(self, args):
         g.setup_env()
-        self.pre = Preprocessor(from_triton_config(args["model_config"], "preprocess"))
+        self.pre = Preprocessor(g.stage_params(pb, args, "preprocess"))
 
     def execute(self, requests):
         responses = []

@@ -27,10 +27,11 @@ class DirectBench:
         max_tokens_in_flight: int,
         threads: int = 1,
         log_dir: str | None = None,
+        device: str = "cpu",
     ):
         pages = -(-max_tokens_in_flight // PAGE_SIZE) + 64
-        self.prefill = Stage("prefill", model_path, PAGE_SIZE, pages, threads, log_dir)
-        self.decode = Stage("decode", model_path, PAGE_SIZE, pages, 1, log_dir)
+        self.prefill = Stage("prefill", model_path, PAGE_SIZE, pages, threads, log_dir, device)
+        self.decode = Stage("decode", model_path, PAGE_SIZE, pages, 1, log_dir, device)
         self.num_layers = self.prefill.info["num_layers"]
         self._rooms = itertools.count(1)
         self.reference: dict[tuple, int] = {}  # (prompt) -> colocated first token

@@ -24,7 +24,7 @@ import traceback
 STAGE = dict(bootstrap_timeout_s=120.0, transfer_timeout_s=600.0, max_batch=64)
 
 
-def _params(model: str, page_size: int, num_pages: int):
+def _params(model: str, page_size: int, num_pages: int, device: str):
     from backends.runtime.config import ModelConfig
     from backends.stages.params import StageParams
 
@@ -35,6 +35,7 @@ def _params(model: str, page_size: int, num_pages: int):
         num_pages=num_pages,
         max_context=ctx,
         max_tokens_limit=ctx - 1,
+        device=device,
         **STAGE,
     )
 
@@ -67,13 +68,13 @@ def _serve(conn, make, handlers, log_path: str | None) -> None:
 
 
 # ---- prefill ---------------------------------------------------------------------------------
-def _prefill_make(model: str, page_size: int, num_pages: int, threads: int) -> dict:
+def _prefill_make(model: str, page_size: int, num_pages: int, threads: int, device: str) -> dict:
     import torch
 
     from backends.stages.prefill import PrefillWorker
 
     torch.set_num_threads(threads)
-    worker = PrefillWorker(_params(model, page_size, num_pages))
+    worker = PrefillWorker(_params(model, page_size, num_pages, device))
     info = {"bootstrap_addr": worker.bootstrap_addr, "num_layers": worker.runner.config.num_layers}
     return {"worker": worker, "info": info}
 
@@ -89,7 +90,7 @@ def _prefill_one(state: dict, req: dict) -> dict:
     if groups is None:  # colocated: the same runner and pool, no room, no transfer
         pages = worker.pool.alloc(worker.pool.pages_needed(len(ids)))
         logits = worker.runner.prefill(worker.pool, ids, pages)
-        rec["first_token"] = int(logits.argmax())
+        rec["first_token"] = int(logits.argmax())  # (syncs the device: the token is there)
         rec["t_first_token"] = time.time()
         worker.pool.free(pages)
         return _cpu(rec, cpu0)
@@ -128,10 +129,10 @@ def _prefill_stats(state: dict, rooms: list[int]) -> dict:
 
 
 # ---- decode ----------------------------------------------------------------------------------
-def _decode_make(model: str, page_size: int, num_pages: int, _threads: int) -> dict:
+def _decode_make(model: str, page_size: int, num_pages: int, _threads: int, device: str) -> dict:
     from backends.stages.decode import DecodeWorker
 
-    worker = DecodeWorker(_params(model, page_size, num_pages))
+    worker = DecodeWorker(_params(model, page_size, num_pages, device))
     return {"worker": worker, "info": {"cancel_addr": worker.cancel_addr}}
 
 
@@ -189,6 +190,7 @@ class Stage:
         num_pages: int,
         threads: int = 1,
         log_dir: str | None = None,
+        device: str = "cpu",
     ):
         make, handlers = {
             "prefill": (_prefill_make, {"run": _prefill_run, "stats": _prefill_stats}),
@@ -196,7 +198,7 @@ class Stage:
         }[kind]
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        init = _Init(make, model, page_size, num_pages, threads)
+        init = _Init(make, model, page_size, num_pages, threads, device)
         log_path = os.path.join(log_dir, f"stage-{kind}.log") if log_dir else None
         self.proc = ctx.Process(target=_serve, args=(child, init, handlers, log_path), daemon=True)
         self.proc.start()

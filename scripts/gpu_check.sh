@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The GPU check: run on a host with CUDA GPUs after scripts/setup.sh (which installs the CUDA
+# builds of torch and Mooncake there). CI has no GPU; this is the script that covers the CUDA path.
+#
+#   scripts/gpu_check.sh [--quick] [--out DIR]
+#
+# 1. the runtime oracle tests on CUDA (greedy == transformers, grouped prefill, batching, spec);
+# 2. byte-exact grouped KV transfers between OS processes from CUDA pools (GQA and MLA);
+# 3. end to end through tritonserver with prefill and decode placed on GPUs (two GPUs when there
+#    are two: --prefill-gpus 0 --decode-gpus 1; else both on GPU 0), greedy == transformers;
+# 4. benchmarks on CUDA: TTFT colocated / serial / pipelined (bench_ttft --quick), KV transfer
+#    vs raw Mooncake (bench_transfer), decode tok/s vs transformers (bench_runtime).
+# Writes logs and JSON to DIR (default bench_out/gpu) and prints a summary table at the end.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VPY="$ROOT/.venv/bin/python"
+OUT="$ROOT/bench_out/gpu" QUICK=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) QUICK=1; shift ;;
+    --out) OUT="$2"; shift 2 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    *) echo "gpu_check.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+[ -x "$VPY" ] || { echo "no .venv: run scripts/setup.sh first" >&2; exit 1; }
+"$VPY" - <<'EOF' || { echo "gpu_check.sh: needs torch with CUDA and a GPU (see scripts/setup.sh)" >&2; exit 1; }
+import sys, torch
+sys.exit(0 if torch.cuda.is_available() else 1)
+EOF
+mkdir -p "$OUT"
+export PD_TEST_DEVICE=cuda PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false GLOG_minloglevel=2
+export MC_FORCE_TCP="${MC_FORCE_TCP:-1}"
+NGPU="$("$VPY" -c 'import torch; print(torch.cuda.device_count())')"
+STATUS=()
+step() { printf '\n[gpu_check] %s\n' "$*"; }
+run() {  # run NAME CMD...: log to $OUT/NAME.log, remember pass/fail, go on
+  local name="$1"; shift
+  if "$@" >"$OUT/$name.log" 2>&1; then STATUS+=("$name: ok"); else STATUS+=("$name: FAILED (see $OUT/$name.log)"); fi
+  tail -n 3 "$OUT/$name.log"
+}
+
+step "GPUs: $NGPU ($(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs))"
+step "1/4 runtime oracle tests on CUDA"
+run oracle "$VPY" -m pytest -q -p no:cacheprovider tests/unit/test_runtime_smollm2.py \
+  tests/unit/test_runtime_models.py tests/unit/test_runtime_batching.py \
+  tests/unit/test_runtime_prefill.py tests/unit/test_spec_greedy.py tests/unit/test_spec_prefilled.py
+step "2/4 byte-exact grouped transfers from CUDA pools (GQA, MLA, MLA + GQA draft)"
+run transfers "$VPY" -m pytest -q -p no:cacheprovider tests/integration/test_transfer_bytes.py \
+  tests/integration/test_transfer_overlap.py
+step "3/4 end to end through tritonserver, stages on GPUs"
+run e2e "$VPY" -m pytest -q -p no:cacheprovider tests/e2e/test_e2e_gpu.py
+step "4/4 benchmarks on CUDA"
+REQ=5; [ "$QUICK" = 1 ] && REQ=2
+run bench_transfer "$VPY" scripts/bench/bench_transfer.py --device cuda --requests "$REQ" --json
+run bench_ttft "$VPY" scripts/bench/bench_ttft.py --quick --device cuda --out "$OUT/ttft" --json
+run bench_runtime "$VPY" scripts/bench/bench_runtime.py --device cuda --runs 3 --json
+
+step "summary"
+printf '%s\n' "${STATUS[@]}"
+"$VPY" - "$OUT" <<'EOF'
+import json, os, sys
+out = sys.argv[1]
+
+def last_json(name):
+    try:
+        lines = [ln for ln in open(os.path.join(out, name + ".log")) if ln.startswith("{")]
+        return json.loads(lines[-1]) if lines else None
+    except OSError:
+        return None
+
+t = last_json("bench_transfer")
+if t:
+    print(f"KV transfer (CUDA pools): kvtransfer {t['kvtransfer_gbps']:.2f} GB/s,"
+          f" raw Mooncake {t['raw_gbps']:.2f} GB/s, ratio {t['ratio']:.2f}"
+          + (f", link {t['link_gbps']:.2f} GB/s, link_ratio {t['link_ratio']:.2f}" if "link_gbps" in t else ""))
+s = last_json("bench_ttft")
+if s:
+    keys = [k for k in ("exposed_fraction_pipelined", "groups", "first_token_over_colocated",
+                        "short_prompt_pipelined_over_serial") if k in s]
+    print("TTFT:", ", ".join(f"{k} {s[k]}" for k in keys), "| ttft_ms", s.get("ttft_ms"))
+r = last_json("bench_runtime")
+if r:
+    for impl, res in r["results"].items():
+        print(f"runtime {impl}: " + ", ".join(f"{k} {v:.1f}" for k, v in res.items()))
+EOF
+for s in "${STATUS[@]}"; do case "$s" in *FAILED*) exit 1 ;; esac; done
