@@ -30,8 +30,16 @@ class TransferConfig:
     max_batch_entries: copies per Mooncake batch (chunks bigger sends).
     max_inflight_entries: copies in flight per engine, all workers together.
     heartbeat_interval_s / heartbeat_misses: decode pings each prefill peer it waits on; a peer
-        silent for interval * misses is declared lost and its rooms fail.
+        silent for interval * misses is declared lost and its rooms fail (their pages stay
+        quarantined until the peer is proven gone or confirms its writes drained).
     tombstones: how many ended rooms are remembered to drop late/duplicate messages.
+    queue_timeout_s: how long a request may wait in a queue before anything was computed for
+        it (prefill: for decode's registration; decode: for prefill's compute after the claim,
+        on top of transfer_timeout_s). Waiting is backpressure, not failure, up to this bound.
+    max_message_age_s: with a secret, signed frames older (or newer) than this are dropped as
+        replays; 0 disables the check.
+    max_pending_per_peer: unclaimed registrations kept per decode connection (flood guard).
+    max_frame_bytes: largest control frame accepted (0: derived from the pool layouts).
     """
 
     host: str = "127.0.0.1"
@@ -47,6 +55,10 @@ class TransferConfig:
     heartbeat_interval_s: float = 1.0
     heartbeat_misses: int = 5
     tombstones: int = 65536
+    queue_timeout_s: float = 600.0
+    max_message_age_s: float = 120.0
+    max_pending_per_peer: int = 256
+    max_frame_bytes: int = 0
 
     def __post_init__(self) -> None:
         try:
@@ -64,7 +76,9 @@ class TransferConfig:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
         if self.rdma_device and self.protocol != "rdma":
             raise ValueError("rdma_device is only meaningful with protocol='rdma'")
-        for name in ("bootstrap_timeout_s", "transfer_timeout_s", "heartbeat_interval_s"):
+        for name in (
+            "bootstrap_timeout_s", "transfer_timeout_s", "heartbeat_interval_s", "queue_timeout_s"
+        ):  # fmt: skip
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
@@ -75,7 +89,9 @@ class TransferConfig:
                 raise ValueError(
                     "shared_secret must be at least 16 bytes (or None to disable HMAC)"
                 )
-        for name in ("num_workers", "heartbeat_misses", "tombstones"):
+        if self.max_message_age_s < 0 or self.max_frame_bytes < 0:
+            raise ValueError("max_message_age_s and max_frame_bytes must be >= 0")
+        for name in ("num_workers", "heartbeat_misses", "tombstones", "max_pending_per_peer"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -100,3 +116,11 @@ class TransferConfig:
     @property
     def heartbeat_timeout_s(self) -> float:
         return self.heartbeat_interval_s * self.heartbeat_misses
+
+    @property
+    def is_loopback(self) -> bool:
+        """The control and data planes listen on a loopback address only."""
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return self.host == "localhost"

@@ -1,13 +1,17 @@
 """The control loop both sides share: one thread owns every ZMQ socket and every room.
 
 API calls from other threads become commands (``self.call``) that the loop runs in order; a
-pipe wakes the loop at once. Status changes happen under ``self.cond`` so ``poll``/``wait`` are
-consistent; release callbacks run on the loop thread, outside the lock, exactly once per room.
-Frames that do not decode (garbage, truncated, unknown version, bad HMAC) are logged and dropped.
+pipe wakes the loop at once; callers wait for a command with a deadline (``call_sync``). Status
+changes happen under ``self.cond`` so ``poll``/``wait`` are consistent; release callbacks run on
+the loop thread, outside the lock, exactly once per room. Frames that do not verify (garbage,
+truncated, unknown version, unsigned or wrongly signed, stale or replayed) are dropped and
+counted by kind, with rate-limited logging. An exception anywhere in an iteration is logged and
+counted (``loop_errors``) and the loop goes on: the thread never dies while the side is open.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import queue
@@ -28,8 +32,9 @@ from .stats import TransferStats
 
 log = logging.getLogger(__name__)
 
-MAX_FRAME_BYTES = 64 << 20
+CONTROL_FRAME_BYTES = 64 << 10  # Ack / Complete / Fail / Abort / Ping / Pong: < 1 KiB each
 TICK_S = 0.02
+CALL_TIMEOUT_S = 10.0
 
 __all__ = ["ControlLoop", "ReleaseCallback", "TransferFailed"]
 
@@ -51,6 +56,8 @@ class ControlLoop:
         self.transfer_stats = TransferStats()
         self.cond = threading.Condition()
         self.dropped: dict[str, int] = {}  # dropped frames by kind
+        self.loop_errors = 0
+        self.verifier = m.Verifier(config.shared_secret, config.max_message_age_s)
         self.ctx = zmq.Context()
         self.poller = zmq.Poller()
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -64,10 +71,11 @@ class ControlLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def socket(self, kind: int) -> zmq.Socket:
+    def socket(self, kind: int, max_frame: int = CONTROL_FRAME_BYTES) -> zmq.Socket:
+        """A socket the loop polls; a peer sending a frame over ``max_frame`` is disconnected."""
         s = self.ctx.socket(kind)
         s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        s.setsockopt(zmq.MAXMSGSIZE, max_frame)
         self.poller.register(s, zmq.POLLIN)
         return s
 
@@ -84,6 +92,15 @@ class ControlLoop:
             pass
         return fut
 
+    def call_sync(self, fn: Callable, *args: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
+        """``call`` and wait for the result, at most ``timeout`` seconds (TimeoutError)."""
+        try:
+            return self.call(fn, *args).result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"{self.name}: no answer from the control loop in {timeout:g}s"
+            ) from None
+
     def send(self, sock: zmq.Socket, msg: m.Message, ident: bytes | None = None) -> None:
         frame = m.encode(msg, self.config.shared_secret)
         try:
@@ -94,54 +111,69 @@ class ControlLoop:
         except zmq.ZMQError as e:  # peer gone or queue full: timeouts will catch it
             log.debug("send %s failed: %s", type(msg).__name__, e)
 
+    def drop(self, kind: str, detail: object = "") -> None:
+        """Count a dropped frame or message; log the first few of each kind, then rarely."""
+        n = self.dropped[kind] = self.dropped.get(kind, 0) + 1
+        if n <= 5 or n & (n - 1) == 0:
+            log.warning(
+                "%s: dropped a control frame (%s: %s) [%d so far]", self.name, kind, detail, n
+            )
+
     def decode(self, frame: bytes) -> m.Message | None:
         try:
-            return m.decode(frame, self.config.shared_secret)
+            return self.verifier.decode(frame)
         except m.MessageError as e:
-            self.dropped[e.kind] = self.dropped.get(e.kind, 0) + 1
-            log.warning("%s: dropped control frame (%s)", self.name, e)
+            self.drop(e.kind, e)
             return None
 
     def _run(self) -> None:
         while not self._stop:
             try:
-                events = dict(self.poller.poll(TICK_S * 1000))
-            except zmq.ZMQError:
+                self._iteration()
+            except Exception:
                 if self._stop:
                     break
-                raise
-            if self._wake_r in events:
-                try:
-                    while os.read(self._wake_r, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
-            while True:
-                try:
-                    fn, args, fut = self._cmds.get_nowait()
-                except queue.Empty:
-                    break
-                try:
-                    fut.set_result(fn(*args))
-                except Exception as e:
-                    fut.set_exception(e)
-            for sock, ev in events.items():
-                if isinstance(sock, zmq.Socket) and ev & zmq.POLLIN:
-                    self._drain(sock)
-            try:
-                self.on_tick(time.monotonic())
-            except Exception:
-                log.exception("%s: tick failed", self.name)
+                self.loop_errors += 1
+                log.exception(
+                    "%s: control loop iteration failed (%d so far)", self.name, self.loop_errors
+                )
+                time.sleep(TICK_S)
 
-    def _drain(self, sock: zmq.Socket) -> None:
+    def _iteration(self) -> None:
+        events = dict(self.poller.poll(TICK_S * 1000))
+        if self._wake_r in events:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        while True:
+            try:
+                fn, args, fut = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                fut.set_result(fn(*args))
+            except Exception as e:
+                fut.set_exception(e)
+        for sock, ev in events.items():
+            if ev & zmq.POLLIN and sock != self._wake_r:
+                self._drain(sock)
+        self.on_tick(time.monotonic())
+
+    def _drain(self, sock) -> None:
+        if not isinstance(sock, zmq.Socket):
+            self.on_fd(sock)
+            return
         for _ in range(1000):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             try:
                 self.on_frames(sock, frames)
             except Exception:  # one bad message never stops the loop
+                self.loop_errors += 1
                 log.exception("%s: handling a control frame failed", self.name)
 
     # ---- rooms -------------------------------------------------------------------------------
@@ -205,6 +237,8 @@ class ControlLoop:
         snap = self.transfer_stats.snapshot()
         snap["live_rooms"] = len(self.rooms)
         snap["dropped_frames"] = dict(self.dropped)
+        snap["dropped_total"] = sum(self.dropped.values())
+        snap["loop_errors"] = self.loop_errors + self.engine.worker_errors
         return snap
 
     def stats_for(self, room: int) -> dict | None:
@@ -238,8 +272,11 @@ class ControlLoop:
             self.engine.close()
 
     # ---- for subclasses ----------------------------------------------------------------------
-    def on_frames(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+    def on_frames(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
         raise NotImplementedError
+
+    def on_fd(self, fd) -> None:
+        """A non-zmq descriptor the subclass registered became readable."""
 
     def on_tick(self, now: float) -> None:
         pass

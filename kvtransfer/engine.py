@@ -29,9 +29,11 @@ and meanwhile keeps reaping batches already in flight. Jobs are submitted in FIF
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from collections import deque
@@ -135,11 +137,21 @@ class _Batch:
         self.submitted, self.expected = submitted, expected  # time.monotonic()
 
 
+def bind_address(host: str) -> str:
+    """The IP address Mooncake's listeners are to bind to (scripts/bind_shim.c reads it from
+    ``PD_BIND_ADDR``: Mooncake 0.3.13 itself binds the wildcard address)."""
+    try:
+        return str(ipaddress.ip_address(host.strip("[]")))
+    except ValueError:
+        return socket.gethostbyname(host)
+
+
 class Engine:
     def __init__(self, config: TransferConfig):
         self.config = config
         if config.protocol == "tcp":
             os.environ.setdefault("MC_FORCE_TCP", "1")  # else RDMA NICs win over "tcp"
+        os.environ["PD_BIND_ADDR"] = bind_address(config.host)
         cls = _load_transfer_engine()
         self._te = cls()
         rc = self._te.initialize(config.host, "P2PHANDSHAKE", config.protocol, config.rdma_device)
@@ -155,6 +167,7 @@ class Engine:
         self._rate = 1e9  # bytes/s estimate; refined by every completed batch
         self._busy_until = self._last_done = 0.0
         self._closed = False
+        self.worker_errors = 0
         self._workers = [
             threading.Thread(target=self._work, name=f"kv-transfer-{i}", daemon=True)
             for i in range(config.num_workers)
@@ -189,6 +202,17 @@ class Engine:
         self._queue.put(_Job(session, transfers, callback, fence))
 
     def _work(self) -> None:
+        """A transfer worker: never dies while the engine is open (errors are counted)."""
+        while True:
+            try:
+                self._work_loop()
+                return
+            except Exception:
+                self.worker_errors += 1
+                log.exception("transfer worker iteration failed; restarting it")
+                time.sleep(0.01)
+
+    def _work_loop(self) -> None:
         inflight: deque[_Batch] = deque()
         fenced: deque[_Job] = deque()  # the head job, while its compute fence is pending
         load = 0
@@ -222,12 +246,16 @@ class Engine:
                 load -= self._reap(inflight)
             if not job.ok:  # an earlier chunk failed: don't send the rest
                 break
-            bid = self._te.batch_transfer_async_write(
-                job.session,
-                [t.src for t in chunk],
-                [t.dst for t in chunk],
-                [t.length for t in chunk],
-            )
+            try:
+                bid = self._te.batch_transfer_async_write(
+                    job.session,
+                    [t.src for t in chunk],
+                    [t.dst for t in chunk],
+                    [t.length for t in chunk],
+                )
+            except Exception as e:  # e.g. TypeError for a bad address: this job fails, only
+                log.warning("batch submit to %s raised %s: %s", job.session, type(e).__name__, e)
+                bid = None
             if not bid or bid < 0:
                 log.warning("batch submit to %s failed (%s)", job.session, bid)
                 job.ok = False
@@ -262,7 +290,11 @@ class Engine:
 
     def _reap(self, inflight: deque[_Batch]) -> int:
         b = inflight.popleft()
-        rc = self._te.get_batch_transfer_status([b.bid])  # busy-waits, GIL released
+        try:
+            rc = self._te.get_batch_transfer_status([b.bid])  # busy-waits, GIL released
+        except Exception as e:
+            log.warning("status of batch to %s raised %s: %s", b.job.session, type(e).__name__, e)
+            rc = -1
         now = time.monotonic()
         if rc != 0:
             log.warning("batch to %s failed (status %s)", b.job.session, rc)

@@ -1,25 +1,33 @@
-"""Control-plane wire messages: typed msgspec structs in a versioned, optionally signed envelope.
+"""Control-plane wire messages: typed msgspec structs in a versioned, signed envelope.
 
-Every ZMQ frame is one msgpack ``Envelope``: ``{v: PROTOCOL_VERSION, p: payload, mac: hmac|None}``
-where ``payload`` is the msgpack of one message of the tagged union :data:`Message`. With a
-shared secret, ``mac`` is HMAC-SHA256(secret, payload), checked with ``hmac.compare_digest``.
-No Python-object serialization, no positional frames. Every control message of the product is
+Every ZMQ frame is one msgpack ``Envelope``: ``{v: PROTOCOL_VERSION, t: send time, p: payload,
+mac: hmac|None}`` where ``payload`` is the msgpack of one message of the tagged union
+:data:`Message`. With a shared secret, ``mac`` is HMAC-SHA256(secret, v | t | payload), checked
+with ``hmac.compare_digest``; a :class:`Verifier` also drops frames older than its window (a
+replay of a captured message) and exact repeats of a frame it already accepted. No
+Python-object serialization, no positional frames. Every control message of the product is
 here, the client-cancel side channel (postprocess -> decode) included.
 
 Version history:
   1 — Register / Ack / Complete / Fail / Abort / Ping / Pong; per-entry layout signatures.
   2 — Cancel (client cancel, postprocess -> decode) joins the union; the separate packed cancel
       frame format of version 1 deployments is gone.
+  3 — the envelope carries its send time ``t``, covered by the MAC with the version, so a signed
+      frame cannot be replayed outside the window or moved to another protocol version;
+      Register lists exactly the prompt's pages of each entry.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import struct
+import time
+from collections import OrderedDict
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 Scalar = int | float | str
 ExtraValue = int | float | str | list[Scalar]
@@ -92,12 +100,13 @@ Message = Register | Ack | Complete | Fail | Abort | Ping | Pong | Cancel
 
 class Envelope(msgspec.Struct, frozen=True):
     v: int
+    t: float  # sender's wall-clock time (s)
     p: bytes
     mac: bytes | None = None
 
 
 class MessageError(ValueError):
-    """A frame that must be dropped; ``kind`` is one of garbage / version / auth."""
+    """A frame that must be dropped; ``kind``: garbage / version / auth / stale / replay."""
 
     def __init__(self, kind: str, detail: str):
         super().__init__(f"{kind}: {detail}")
@@ -109,18 +118,18 @@ _env_dec = msgspec.msgpack.Decoder(Envelope)
 _msg_dec = msgspec.msgpack.Decoder(Message)
 
 
-def _mac(secret: bytes, payload: bytes) -> bytes:
-    return hmac.new(secret, payload, hashlib.sha256).digest()
+def _mac(secret: bytes, version: int, t: float, payload: bytes) -> bytes:
+    return hmac.new(secret, struct.pack(">Hd", version, t) + payload, hashlib.sha256).digest()
 
 
-def encode(msg: Message, secret: bytes | None = None) -> bytes:
+def encode(msg: Message, secret: bytes | None = None, now: float | None = None) -> bytes:
     payload = _env_enc.encode(msg)
-    mac = _mac(secret, payload) if secret else None
-    return _env_enc.encode(Envelope(PROTOCOL_VERSION, payload, mac))
+    t = time.time() if now is None else now
+    mac = _mac(secret, PROTOCOL_VERSION, t, payload) if secret else None
+    return _env_enc.encode(Envelope(PROTOCOL_VERSION, t, payload, mac))
 
 
-def decode(frame: bytes, secret: bytes | None = None) -> Message:
-    """Decode one frame or raise :class:`MessageError` (the caller logs and drops it)."""
+def _open(frame: bytes, secret: bytes | None) -> Envelope:
     try:
         env = _env_dec.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -132,9 +141,47 @@ def decode(frame: bytes, secret: bytes | None = None) -> Message:
     if secret:
         if env.mac is None:
             raise MessageError("auth", "message is not signed but a shared secret is configured")
-        if not hmac.compare_digest(env.mac, _mac(secret, env.p)):
+        if not hmac.compare_digest(env.mac, _mac(secret, env.v, env.t, env.p)):
             raise MessageError("auth", "bad HMAC")
+    return env
+
+
+def _payload(env: Envelope) -> Message:
     try:
         return _msg_dec.decode(env.p)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise MessageError("garbage", f"bad payload ({e})") from None
+
+
+def decode(frame: bytes, secret: bytes | None = None) -> Message:
+    """Decode one frame or raise :class:`MessageError` (stateless: no replay check)."""
+    return _payload(_open(frame, secret))
+
+
+class Verifier:
+    """Decodes frames for one receiver: signature, then (with a secret) freshness: a frame sent
+    more than ``max_age_s`` ago or ahead (clock skew included), or a frame it accepted before
+    (same MAC), is dropped. Not thread-safe: one per receiving thread."""
+
+    def __init__(self, secret: bytes | None, max_age_s: float = 120.0, remember: int = 65536):
+        self.secret, self.max_age_s, self.remember = secret, max_age_s, remember
+        self._seen: OrderedDict[bytes, float] = OrderedDict()
+
+    def decode(self, frame: bytes, now: float | None = None) -> Message:
+        env = _open(frame, self.secret)
+        if self.secret and self.max_age_s:
+            now = time.time() if now is None else now
+            if abs(now - env.t) > self.max_age_s:
+                raise MessageError(
+                    "stale", f"sent {now - env.t:+.1f}s ago (window {self.max_age_s:g}s)"
+                )
+            if env.mac in self._seen:
+                raise MessageError("replay", "a frame that was already accepted")
+            msg = _payload(env)
+            self._seen[env.mac] = env.t
+            while len(self._seen) > self.remember or (
+                self._seen and now - next(iter(self._seen.values())) > self.max_age_s
+            ):
+                self._seen.popitem(last=False)
+            return msg
+        return _payload(env)

@@ -1,16 +1,18 @@
 """Prefill side: claims rooms registered by decode and streams KV layer group by layer group.
 
-Flow of one room::
+Flow of one room (the prefill stage computes a room only once decode holds its pages)::
 
-    decode  --Register(room, session, entries)-->  bootstrap ROUTER (kept until start_room)
-    prefill start_room(room)          -> claims: checks every entry's layout, --Ack-->
-    prefill send_group(room, role, L, fence) -> writes those layers' pages (queued until
-                                         registered; never before `fence` completed)
-    prefill finish(room, first_token) -> --Complete--> once every queued write has landed
-    any failure                        -> --Fail(reason)--> and the room is Failed
+    prefill expect(room, tokens, on_registered)   the stage queued the request
+    decode  --Register(room, session, entries)-->  checked (registration.py), then claimed:
+                                       --Ack-->    and on_registered(room) tells the stage
+    prefill start_room(room, pages)    the compute thread took the room: its pages
+    prefill send_group(room, role, L, fence)       those layers' pages go out once fence is done
+    prefill finish(room, first_token)  --Complete--> once every write of the room has landed
+    any failure                        --Fail(reason)--> (only once no write is in flight)
 
-``on_release(room, status)`` runs exactly once, when the room has ended AND no write reading
-its pages is still in flight, so the caller may then free the pages.
+``start_room`` before any registration (tests, benchmarks) also works: the room is claimed when
+the Register arrives. ``on_release(room, status)`` runs exactly once, when the room has ended
+AND no write reading its pages is still in flight, so the caller may then free the pages.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -27,34 +28,19 @@ from . import messages as m
 from .config import TransferConfig
 from .control import ControlLoop, ReleaseCallback
 from .engine import Fence
-from .layout import EntryLayout, check_compatible, group_transfers
-from .state import Room, RoomStatus
+from .faults import Faults
+from .layout import EntryLayout, group_transfers
+from .registration import PeerBook, RegistrationError, check_entries
+from .state import Claim, RoomStatus, SenderRoom
 
 log = logging.getLogger(__name__)
 
 MAX_PENDING_REGISTRATIONS = 4096
 
 
-@dataclass(frozen=True)
-class Claim:
-    """Decode's registration of a room, once this prefill claimed it."""
-
-    ident: bytes  # decode's ROUTER identity: where Ack / Complete / Fail go
-    reg: m.Register
-    dst: dict[str, EntryLayout]  # decode's layout of each entry (its pool address)
-
-    def dst_pages(self, role: str) -> list[int]:
-        return next(e.pages for e in self.reg.entries if e.role == role)
-
-
-@dataclass(kw_only=True)
-class SenderRoom(Room):
-    src_pages: dict[str, list[int]]  # role -> prefill's pages of the room
-    claim: Claim | None = None  # set once decode's Register for the room is claimed
-    queued: list[tuple] = field(default_factory=list)  # (role, layers, fence) before the claim
-    outstanding: int = 0  # groups whose writes are in flight
-    finish: tuple[int, dict] | None = None  # (first token, extra) once prefill finished
-    tell_decode: bool = False  # send Fail to decode once the writes drained
+def _register_frame_limit(layouts: dict[str, EntryLayout]) -> int:
+    """The largest Register a decode can legitimately send to this prefill (all its pages)."""
+    return 4096 + sum(512 + 9 * lay.num_pages for lay in layouts.values())
 
 
 class KVSender(ControlLoop):
@@ -63,22 +49,37 @@ class KVSender(ControlLoop):
     def __init__(self, config: TransferConfig, layouts: dict[str, EntryLayout]):
         super().__init__(config)
         self.open_engine(layouts)
-        self.router = self.socket(zmq.ROUTER)
+        self.faults = Faults.from_env()
+        if self.faults.active:
+            log.warning("kv-sender: FAULT INJECTION active (%s): for tests only", self.faults)
+        limit = config.max_frame_bytes or _register_frame_limit(self.layouts)
+        self.router = self.socket(zmq.ROUTER, limit)
         if config.bootstrap_port:
             self.router.bind(f"tcp://{config.host}:{config.bootstrap_port}")
             port = config.bootstrap_port
         else:
             port = self.router.bind_to_random_port(f"tcp://{config.host}")
         self.bootstrap_addr = f"{config.host}:{port}"
+        self.peers = PeerBook(config.max_pending_per_peer)
         self._pending: dict[int, tuple[bytes, m.Register, float]] = {}  # unclaimed registrations
-        self._aborted: OrderedDict[int, str] = OrderedDict()  # aborted before start_room
+        # rooms decode aborted, or whose registration was refused, before the stage took them:
+        # room -> the reason the room fails with when it is expected / started
+        self._ended_early: OrderedDict[int, str] = OrderedDict()
         self.start()
 
     # ---- public API (any thread) -------------------------------------------------------------
+    def expect(self, room: int, num_tokens: int, on_registered, on_release: ReleaseCallback):
+        """The stage queued this room's request: claim decode's Register when it arrives (or
+        now) and then call ``on_registered(room)`` on the control thread."""
+        self.call_sync(self._expect, room, int(num_tokens), on_registered, on_release)
+
     def start_room(
-        self, room: int, src_pages: dict[str, list[int]], on_release: ReleaseCallback
+        self,
+        room: int,
+        src_pages: dict[str, list[int]],
+        on_release: ReleaseCallback | None = None,
     ) -> None:
-        """Prefill took the request: claim the room (now, or when decode's Register arrives)."""
+        """Prefill computes the room now, into ``src_pages`` (role -> page ids)."""
         for role, pages in src_pages.items():
             if role not in self.layouts:
                 raise ValueError(
@@ -88,7 +89,7 @@ class KVSender(ControlLoop):
             if bad:
                 raise ValueError(f"room {room}: {role} pages {bad[:4]} outside the pool")
         pages = {r: list(p) for r, p in src_pages.items()}
-        self.call(self._start, room, pages, on_release).result()
+        self.call_sync(self._start, room, pages, on_release)
 
     def send_group(self, room: int, role: str, layers: range, fence: Fence | None = None) -> None:
         """Queue the writes of ``layers`` of entry ``role`` (non-blocking for the caller).
@@ -113,64 +114,105 @@ class KVSender(ControlLoop):
     def abort(self, room: int, reason: str) -> None:
         self.call(self._fail, room, f"aborted by prefill: {reason}", True)
 
+    def is_live(self, room: int) -> bool:
+        """The room exists and has not ended (a compute thread checks it between groups)."""
+        with self.cond:
+            st = self.rooms.status(room)
+        return st is not None and not st[0].ended
+
     def stats(self) -> dict:
         snap = super().stats()
         snap["pending_registrations"] = len(self._pending)
         return snap
 
-    # ---- loop thread -------------------------------------------------------------------------
-    def _start(self, room: int, src_pages: dict[str, list[int]], on_release) -> None:
-        deadline = time.monotonic() + self.config.bootstrap_timeout_s
-        r = SenderRoom(room=room, src_pages=src_pages, on_release=on_release, deadline=deadline)
-        self.rooms.add(r)
+    # ---- loop thread: the stage's calls --------------------------------------------------------
+    def _expect(self, room: int, num_tokens: int, on_registered, on_release) -> None:
+        deadline = time.monotonic() + self.config.queue_timeout_s
+        r = SenderRoom(
+            room=room,
+            num_tokens=num_tokens,
+            on_registered=on_registered,
+            on_release=on_release,
+            deadline=deadline,
+        )
+        self.rooms.add(r)  # KeyError for a room id in use: the caller refuses that request
         self.transfer_stats.room(room)
-        aborted = self._aborted.pop(room, None)
-        pending = self._pending.pop(room, None)
-        if aborted is not None:
-            self._fail(room, f"aborted by decode: {aborted}", False)
+        self._take_pending(r)
+
+    def _take_pending(self, r: SenderRoom) -> None:
+        ended = self._ended_early.pop(r.room, None)
+        pending = self._pending.pop(r.room, None)
+        if pending is not None:
+            self.peers.remove_pending(pending[0])
+        if ended is not None:
+            self._fail(r.room, ended, False)
         elif pending is not None:
             self._claim(r, *pending[:2])
 
-    def _check_registration(self, r: SenderRoom, reg: m.Register) -> tuple[dict, str | None]:
-        """Decode's layout per entry, or the reason the registration cannot be served."""
-        dst: dict[str, EntryLayout] = {}
-        for entry in reg.entries:
-            local = self.layouts.get(entry.role)
-            if local is None:
-                return dst, f"decode registered entry {entry.role!r} that prefill does not have"
-            err = check_compatible(local, entry.signature)
-            if err:
-                return dst, err
-            try:
-                dst[entry.role] = EntryLayout(
-                    **entry.signature, num_pages=entry.num_pages, base_addr=entry.base_addr
+    def _end_early(self, room: int, reason: str) -> None:
+        self._ended_early[room] = reason
+        while len(self._ended_early) > MAX_PENDING_REGISTRATIONS:
+            self._ended_early.popitem(last=False)
+
+    def _start(self, room: int, src_pages: dict[str, list[int]], on_release) -> None:
+        r = self.rooms.get(room)
+        if r is None:  # the direct flow: no expect(), the pages come first
+            if self.rooms.ended(room):
+                raise ValueError(f"room {room} already ended")
+            r = SenderRoom(room=room, on_release=on_release)
+            self.rooms.add(r)
+            self.transfer_stats.room(room)
+            r.src_pages = src_pages
+            r.deadline = time.monotonic() + self.config.bootstrap_timeout_s
+            self._take_pending(r)
+            return
+        if r.status.ended or r.src_pages is not None:
+            raise ValueError(f"room {room} is not waiting to start ({r.status.name})")
+        r.src_pages = src_pages
+        if on_release is not None:
+            r.on_release = on_release
+        r.deadline = time.monotonic() + self.config.transfer_timeout_s
+        if r.claim is not None:
+            self._check_page_counts(r)
+
+    def _check_page_counts(self, r: SenderRoom) -> bool:
+        for role, src in (r.src_pages or {}).items():
+            if len(r.claim.dst_pages(role)) != len(src):
+                n = len(r.claim.dst_pages(role))
+                self._fail(
+                    r.room, f"bad page table: decode gave {n} {role} pages for {len(src)}", True
                 )
-            except (TypeError, ValueError) as e:
-                return dst, f"entry {entry.role}: bad layout ({e})"
-            need = len(r.src_pages.get(entry.role, ()))
-            if len(entry.pages) < need:
-                return (
-                    dst,
-                    f"entry {entry.role}: decode gave {len(entry.pages)} pages, prefill has {need}",
-                )
-        missing = [role for role in r.src_pages if role not in dst]
-        return dst, f"decode did not register entry {missing[0]!r}" if missing else None
+                return False
+        return True
 
     def _claim(self, r: SenderRoom, ident: bytes, reg: m.Register) -> None:
-        dst, err = self._check_registration(r, reg)
+        try:
+            roles = list(r.src_pages if r.src_pages is not None else self.layouts)
+            dst = check_entries(reg, self.layouts, r.num_tokens, roles)
+        except RegistrationError as e:
+            r.claim = Claim(ident, reg, {})  # the Fail goes to this registering peer
+            self._fail(r.room, str(e), True)
+            return
         r.claim = Claim(ident, reg, dst)
-        if err is not None:
-            self._fail(r.room, f"incompatible layout: {err}", True)
+        if r.src_pages is not None and not self._check_page_counts(r):
             return
         self.send(
             self.router, m.Ack(r.room, {k: v.signature() for k, v in self.layouts.items()}), ident
         )
         self.advance(r, RoomStatus.WaitingForInput)
-        r.deadline = time.monotonic() + self.config.transfer_timeout_s
+        if r.src_pages is None:  # registered, waiting for the compute thread (backpressure)
+            r.deadline = time.monotonic() + self.config.queue_timeout_s
+        else:
+            r.deadline = time.monotonic() + self.config.transfer_timeout_s
         queued, r.queued = r.queued, []
         for role, layers, fence in queued:
             self._launch(r, role, layers, fence)
         self._maybe_complete(r)
+        if r.on_registered is not None and not r.status.ended:
+            try:
+                r.on_registered(r.room)
+            except Exception:
+                log.exception("kv-sender: on_registered(%d) failed", r.room)
 
     def _send_group(self, room: int, role: str, layers: range, fence) -> None:
         r = self.rooms.get(room)
@@ -178,7 +220,7 @@ class KVSender(ControlLoop):
             log.warning("kv-sender: send_group for unknown room %d ignored", room)
         if r is None or r.status.ended:
             return  # the room already ended; its release callback has run / will run
-        if role not in r.src_pages:
+        if r.src_pages is None or role not in r.src_pages:
             self._fail(room, f"send_group for entry {role!r} the room has no pages in", True)
         elif r.claim is None:
             r.queued.append((role, layers, fence))
@@ -189,11 +231,7 @@ class KVSender(ControlLoop):
         src = r.src_pages[role]
         try:
             transfers = group_transfers(
-                self.layouts[role],
-                r.claim.dst[role],
-                src,
-                r.claim.dst_pages(role)[: len(src)],
-                layers,
+                self.layouts[role], r.claim.dst[role], src, r.claim.dst_pages(role), layers
             )
         except (ValueError, IndexError) as e:
             self._fail(r.room, f"bad page table: {e}", True)
@@ -208,7 +246,10 @@ class KVSender(ControlLoop):
             self.transfer_stats.group_done(g, ok)
             self.call(self._group_done, room, role, layers, ok)
 
-        self.engine.submit(r.claim.reg.session_id, transfers, done, fence)
+        if self.faults.fails(r.room):
+            done(False)
+            return
+        self.engine.submit(r.claim.reg.session_id, transfers, done, self.faults.delayed(fence))
 
     def _group_done(self, room: int, role: str, layers: range, ok: bool) -> None:
         r = self.rooms.get(room)
@@ -255,62 +296,111 @@ class KVSender(ControlLoop):
             self.send(self.router, m.Fail(r.room, r.reason), r.claim.ident)
         self.release(r)
 
-    def on_frames(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+    # ---- loop thread: decode's messages --------------------------------------------------------
+    def on_frames(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
         if len(frames) != 2:
-            self.dropped["garbage"] = self.dropped.get("garbage", 0) + 1
+            self.drop("garbage", f"{len(frames)} frames")
             return
-        ident, frame = frames
-        msg = self.decode(frame)
+        ident = frames[0].bytes
+        msg = self.decode(frames[1].bytes)
         if msg is None:
             return
         if isinstance(msg, m.Ping):
             self.send(self.router, m.Pong(msg.seq), ident)
         elif isinstance(msg, m.Register):
-            self._on_register(ident, msg)
+            self._on_register(ident, _peer_address(frames[1]), msg)
         elif isinstance(msg, m.Abort):
             self._on_abort(ident, msg)
         else:
-            log.warning("kv-sender: unexpected %s dropped", type(msg).__name__)
+            self.drop("unexpected", type(msg).__name__)
 
     def _on_abort(self, ident: bytes, msg: m.Abort) -> None:
-        if self._pending.get(msg.room, (None,))[0] == ident:
+        pending = self._pending.get(msg.room)
+        if pending is not None and pending[0] == ident:
             del self._pending[msg.room]
-            self._aborted[msg.room] = msg.reason
-            while len(self._aborted) > MAX_PENDING_REGISTRATIONS:
-                self._aborted.popitem(last=False)
+            self.peers.remove_pending(ident)
         r = self.rooms.get(msg.room)
         if r is not None and r.claim is not None and r.claim.ident == ident and not r.status.ended:
             # decode holds its pages until our Fail says no write is in flight any more
             self._fail(msg.room, f"aborted by decode: {msg.reason}", True)
+        elif r is not None and r.claim is None and not r.status.ended:
+            self._fail(msg.room, f"aborted by decode: {msg.reason}", False)
+            self.send(self.router, m.Fail(msg.room, f"room not active: {msg.reason}"), ident)
         elif r is None or r.status.ended and r.released:
+            if r is None and not self.rooms.ended(msg.room):  # the stage has not queued it yet
+                self._end_early(msg.room, f"aborted by decode: {msg.reason}")
             # nothing of ours writes into that room: decode may reuse its pages now
             self.send(self.router, m.Fail(msg.room, f"room not active: {msg.reason}"), ident)
 
-    def _on_register(self, ident: bytes, reg: m.Register) -> None:
+    def _on_register(self, ident: bytes, peer_address: str | None, reg: m.Register) -> None:
+        try:
+            self.peers.check(ident, peer_address, reg)
+        except RegistrationError as e:
+            self.drop("hostile", f"room {reg.room}: {e}")
+            self.send(self.router, m.Fail(reg.room, f"registration refused: {e}"), ident)
+            return
         r = self.rooms.get(reg.room)
         if r is not None:
             if r.claim is None and not r.status.ended:
                 self._claim(r, ident, reg)
-            return  # duplicate registration: ignore
+            elif r.claim is not None and r.claim.ident != ident:
+                self.drop("conflict", f"room {reg.room} is already registered by another peer")
+            return  # a duplicate of the registration we have: ignore
         ended = self.rooms.status(reg.room)
         if ended is not None:  # late registration for a room prefill already gave up
             if ended[0] == RoomStatus.Failed:
                 self.send(self.router, m.Fail(reg.room, f"room already ended: {ended[1]}"), ident)
             return
-        if len(self._pending) >= MAX_PENDING_REGISTRATIONS:
-            log.warning("kv-sender: too many unclaimed registrations; dropping room %d", reg.room)
+        self._keep_pending(ident, reg)
+
+    def _keep_pending(self, ident: bytes, reg: m.Register) -> None:
+        have = self._pending.get(reg.room)
+        if have is not None:  # the first registration of a room wins; a repeat is ignored
+            if have[0] != ident:
+                self.drop("conflict", f"room {reg.room} is already registered by another peer")
+            return
+        try:
+            check_entries(reg, self.layouts)  # refuse what can never be served, at once
+        except RegistrationError as e:
+            self._end_early(reg.room, str(e))
+            self.send(self.router, m.Fail(reg.room, str(e)), ident)
+            return
+        if len(self._pending) >= MAX_PENDING_REGISTRATIONS or not self.peers.add_pending(ident):
+            self.drop("flood", f"too many unclaimed registrations; room {reg.room} refused")
+            self.send(
+                self.router, m.Fail(reg.room, "registration refused: too many pending"), ident
+            )
             return
         self._pending[reg.room] = (ident, reg, time.monotonic())
 
     def on_tick(self, now: float) -> None:
         ttl = self.config.bootstrap_timeout_s
         for room in [k for k, v in self._pending.items() if now - v[2] > ttl]:
-            del self._pending[room]  # another prefill instance took it, or nobody did
+            self.peers.remove_pending(self._pending.pop(room)[0])  # nobody here took it
         for r in list(self.rooms.live.values()):
             if r.status.ended or now <= r.deadline:
                 continue
-            if r.claim is None:
-                self._fail(r.room, f"bootstrap timeout: decode did not register in {ttl:g}s", True)
-            else:
-                t = self.config.transfer_timeout_s
-                self._fail(r.room, f"transfer timeout: room not finished {t:g}s after claim", True)
+            try:
+                self._timeout(r)
+            except Exception:  # one room's trouble never stops the others' timeouts
+                self.loop_errors += 1
+                log.exception("kv-sender: timing out room %d failed", r.room)
+
+    def _timeout(self, r: SenderRoom) -> None:
+        cfg = self.config
+        if r.claim is None and r.src_pages is None:
+            why = f"queue timeout: decode did not register in {cfg.queue_timeout_s:g}s"
+        elif r.claim is None:
+            why = f"bootstrap timeout: decode did not register in {cfg.bootstrap_timeout_s:g}s"
+        elif r.src_pages is None:
+            why = f"queue timeout: not computed {cfg.queue_timeout_s:g}s after decode registered"
+        else:
+            why = f"transfer timeout: room not finished {cfg.transfer_timeout_s:g}s after start"
+        self._fail(r.room, why, True)
+
+
+def _peer_address(frame: zmq.Frame) -> str | None:
+    try:
+        return frame.get("Peer-Address")
+    except (zmq.ZMQError, AttributeError):
+        return None

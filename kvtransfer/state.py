@@ -1,4 +1,5 @@
-"""Room state machine: a monotonic IntEnum with a sticky Failed, and a table with tombstones.
+"""Room state: a monotonic IntEnum with a sticky Failed, each side's typed room, and a table
+with tombstones.
 
 ``Bootstrapping -> WaitingForInput -> Transferring -> Success``; any live state may go to
 ``Failed``. Success and Failed end the room; an ended room leaves the live table and becomes a
@@ -11,7 +12,11 @@ import enum
 import os
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from . import messages as m
+from .layout import EntryLayout
+from .stats import GroupStat
 
 DEBUG = os.environ.get("KVTRANSFER_DEBUG", "") not in ("", "0")
 
@@ -57,6 +62,44 @@ class Room:
         if new == RoomStatus.Failed:
             self.reason = reason or "failed"
         return True
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Decode's registration of a room, once this prefill claimed it."""
+
+    ident: bytes  # decode's ROUTER identity: where Ack / Complete / Fail go
+    reg: m.Register
+    dst: dict[str, EntryLayout]  # decode's layout of each entry (its pool address)
+
+    def dst_pages(self, role: str) -> list[int]:
+        return next(e.pages for e in self.reg.entries if e.role == role)
+
+
+@dataclass(kw_only=True)
+class SenderRoom(Room):
+    num_tokens: int | None = None  # the prompt length, when the stage said it (expect)
+    on_registered: Callable[[int], None] | None = None
+    src_pages: dict[str, list[int]] | None = None  # role -> prefill's pages, from start_room
+    claim: Claim | None = None  # set once decode's Register for the room is claimed
+    queued: list[tuple] = field(default_factory=list)  # (role, layers, fence) before the claim
+    outstanding: int = 0  # groups whose writes are in flight
+    finish: tuple[int, dict] | None = None  # (first token, extra) once prefill finished
+    tell_decode: bool = False  # send Fail to decode once the writes drained
+
+
+@dataclass(kw_only=True)
+class ReceiverRoom(Room):
+    addrs: list[str]  # prefill bootstrap addresses the Register went to
+    roles: list[str]  # entries decode registered pages in
+    num_tokens: int
+    epochs: dict[str, int] = field(default_factory=dict)  # peer connection epoch at Register
+    on_fail: Callable[[int, str], None] | None = None  # at once when it fails (pages may wait)
+    claimed_by: str | None = None  # the prefill address that claimed the room (its Ack)
+    stat: GroupStat | None = None  # transfer record, from claim to completion
+    # ended by decode while a prefill may still write into the pages: the peers whose drain
+    # (their Fail) or disconnection is awaited before the pages are released (quarantine)
+    quarantine: set[str] | None = None
 
 
 class RoomTable:

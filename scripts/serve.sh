@@ -2,61 +2,84 @@
 # Serve the model repository with a real tritonserver (prefill/decode disaggregated ensemble).
 #
 #   scripts/serve.sh [--model-repo DIR] [--model CKPT] [--http-port 8000] [--grpc-port 8001]
-#                    [--metrics-port 8002] [--foreground] [--log FILE] [--stop]
+#                    [--metrics-port 8002] [--host 127.0.0.1] [--bootstrap-host 127.0.0.1]
+#                    [--secret-file FILE] [--set [stage.]param=value ...]
 #                    [--draft DIR | --draft-layers K] [--spec-tokens N]
 #                    [--prefill-gpus 0,1] [--decode-gpus 2,3]
+#                    [--foreground] [--log FILE] [--stop] [--stop-timeout 30]
 #
 # tritonserver: the one on PATH (NGC image: /opt/tritonserver/bin), else the binary of the
-# nvidia-pytriton wheel in .venv (scripts/triton_paths.py). Default: start in the background,
-# wait until ready, print the URLs and the log path. --foreground: run attached; Ctrl-C or
-# SIGTERM stops the server cleanly. --stop: stop a background server started by this script.
-# --model CKPT serves another checkpoint (a copy of the repository is made with make_repo.py).
-# Speculative decoding (any of these turns it on, in prefill and decode alike): --draft DIR (a
-# draft checkpoint sharing the target's vocabulary), --draft-layers K (self-draft: the target's
-# first K layers; the default when no --draft), --spec-tokens N (draft tokens per step).
-# --prefill-gpus / --decode-gpus LIST place a stage on GPUs (KIND_GPU, one instance per GPU);
-# without them each stage's device is `auto` (its GPU, else cuda:0 when there is one, else CPU).
+# nvidia-pytriton wheel in .venv. Default: start in the background, wait until ready, print the
+# URLs and the log path. --foreground: stay attached; Ctrl-C or SIGTERM stops it. --stop: stop
+# the server started on --http-port: SIGTERM, at most --stop-timeout seconds for Triton to finish
+# (in-flight requests get an error), then the whole process group (stage processes included).
+# --host: address of Triton's HTTP/gRPC/metrics ports (use 0.0.0.0 to serve other hosts).
+# --bootstrap-host: address the stages' KV control and data planes bind to (default loopback).
+# Shared secret (HMAC on every control message): --secret-file (created, mode 600, if missing;
+# give every server of a deployment the same file) or $PD_SHARED_SECRET; else a random one per
+# start. --model CKPT / --set / --draft* / --*-gpus write a tuned copy of the repository
+# (scripts/make_repo.py). Speculative decoding: --draft DIR (a draft checkpoint sharing the
+# target's vocabulary), --draft-layers K (self-draft), --spec-tokens N. --prefill-gpus /
+# --decode-gpus LIST place a stage on GPUs (KIND_GPU, one instance per GPU); without them a
+# stage's device is `auto` (its GPU, else cuda:0 when there is one, else the CPU).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 HTTP=8000 GRPC=8001 METRICS=8002 FOREGROUND=0 STOP=0 CKPT="" REPO="$ROOT/model_repository"
+HOST=127.0.0.1 SECRET_FILE="" STOP_TIMEOUT="${PD_STOP_TIMEOUT:-30}"
 RUN_DIR="${PD_RUN_DIR:-$ROOT/.run}"
 LOG="" TIMEOUT="${PD_SERVE_TIMEOUT:-300}"
 SETS=() PLACE=()
+die() { echo "serve.sh: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --http-port) HTTP="$2"; shift 2 ;;
     --grpc-port) GRPC="$2"; shift 2 ;;
     --metrics-port) METRICS="$2"; shift 2 ;;
+    --host) HOST="$2"; shift 2 ;;
+    --bootstrap-host) SETS+=(--set "bootstrap_host=$2"); shift 2 ;;
+    --secret-file) SECRET_FILE="$2"; shift 2 ;;
+    --set) SETS+=(--set "$2"); shift 2 ;;
     --model) CKPT="$2"; shift 2 ;;
     --model-repo) REPO="$2"; shift 2 ;;
     --log) LOG="$2"; shift 2 ;;
     --draft)
-      [ -d "${2:-}" ] || { echo "serve.sh: --draft ${2:-} is not a directory" >&2; exit 2; }
+      [ -d "${2:-}" ] || die "--draft ${2:-} is not a directory"
       SETS+=(--set spec_enabled=true --set "draft_model_dir=$(cd "$2" && pwd)"); shift 2 ;;
     --draft-layers) SETS+=(--set spec_enabled=true --set "draft_layers=$2"); shift 2 ;;
     --spec-tokens) SETS+=(--set spec_enabled=true --set "decode.spec_tokens=$2"); shift 2 ;;
     --prefill-gpus|--decode-gpus)
-      [[ "${2:-}" =~ ^[0-9]+(,[0-9]+)*$ ]] || { echo "serve.sh: $1 needs GPU indices like 0,1" >&2; exit 2; }
+      [[ "${2:-}" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "$1 needs GPU indices like 0,1"
       PLACE+=("$1" "$2"); shift 2 ;;
     --foreground) FOREGROUND=1; shift ;;
     --stop) STOP=1; shift ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
-    *) echo "serve.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    --stop-timeout) STOP_TIMEOUT="$2"; shift 2 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    *) die "unknown argument $1 (see --help)" ;;
   esac
 done
+[[ "$STOP_TIMEOUT" =~ ^[0-9]+$ ]] && [ "$STOP_TIMEOUT" -ge 2 ] || die "--stop-timeout needs seconds >= 2"
 mkdir -p "$RUN_DIR"
 PIDFILE="$RUN_DIR/tritonserver-$HTTP.pid"
 LOG="${LOG:-$RUN_DIR/tritonserver-$HTTP.log}"
 
+# SIGTERM to tritonserver, at most STOP_TIMEOUT s for it to finish, then SIGKILL to whatever is
+# left of its process group (it leads one: started with setsid), stage processes included.
+stop_server() {
+  local pid="$1" end=$((SECONDS + STOP_TIMEOUT))
+  kill -TERM "$pid" 2>/dev/null || true
+  while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$end" ]; do sleep 0.25; done
+  if pgrep -g "$pid" >/dev/null 2>&1; then
+    kill -0 "$pid" 2>/dev/null && echo "[serve] still running after ${STOP_TIMEOUT}s: SIGKILL"
+    kill -KILL -- "-$pid" 2>/dev/null || true
+    for _ in $(seq 1 40); do pgrep -g "$pid" >/dev/null 2>&1 || break; sleep 0.25; done
+  fi
+}
+
 if [ "$STOP" = 1 ]; then
   [ -f "$PIDFILE" ] || { echo "no server started by serve.sh on port $HTTP"; exit 0; }
   PID="$(cat "$PIDFILE")"
-  if kill -0 "$PID" 2>/dev/null; then
-    kill -TERM "$PID"
-    for _ in $(seq 1 60); do kill -0 "$PID" 2>/dev/null || break; sleep 0.5; done
-    kill -0 "$PID" 2>/dev/null && { echo "still running; sending SIGKILL"; kill -KILL "$PID"; }
-  fi
-  rm -f "$PIDFILE"; echo "stopped tritonserver (pid $PID)"; exit 0
+  stop_server "$PID"
+  rm -f "$PIDFILE"; echo "stopped tritonserver (pid $PID) and its stage processes"; exit 0
 fi
 
 PY="$ROOT/.venv/bin/python"
@@ -74,40 +97,54 @@ if [ -n "$CKPT" ] || [ ${#SETS[@]} -gt 0 ] || [ ${#PLACE[@]} -gt 0 ]; then
   "$PY" "${MR[@]}" ${SETS[@]+"${SETS[@]}"} ${PLACE[@]+"${PLACE[@]}"} >/dev/null
   REPO="$OUT"
 fi
+
+new_secret() { "$PY" -c 'import secrets; print(secrets.token_hex(32))'; }
+if [ -n "$SECRET_FILE" ]; then
+  [ -s "$SECRET_FILE" ] || (umask 077; new_secret >"$SECRET_FILE")
+  PD_SHARED_SECRET="$(tr -d '[:space:]' <"$SECRET_FILE")"
+elif [ -z "${PD_SHARED_SECRET:-}" ]; then
+  PD_SHARED_SECRET="$(new_secret)"  # this server's stages only: HMAC on by default
+fi
+export PD_SHARED_SECRET
 SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export GLOG_minloglevel="${GLOG_minloglevel:-2}" TOKENIZERS_PARALLELISM=false MC_FORCE_TCP="${MC_FORCE_TCP:-1}"
+# shellcheck source=scripts/bind_env.sh
+source "$ROOT/scripts/bind_env.sh"
+EXIT_TIMEOUT=$((STOP_TIMEOUT > 10 ? STOP_TIMEOUT - 5 : STOP_TIMEOUT / 2))
 ARGS=(--model-repository "$REPO" --backend-directory "$BACKEND_DIR"
       --http-port "$HTTP" --grpc-port "$GRPC" --metrics-port "$METRICS"
-      --allow-metrics true --log-verbose 0 --exit-on-error true)
+      --http-address "$HOST" --grpc-address "$HOST" --metrics-address "$HOST"
+      --allow-metrics true --log-verbose 0 --exit-on-error true --exit-timeout-secs "$EXIT_TIMEOUT")
 
 if [ "$FOREGROUND" = 1 ]; then
   echo "[serve] $TRITONSERVER (repository $REPO); Ctrl-C stops it"
-  "$TRITONSERVER" "${ARGS[@]}" &
+  setsid "$TRITONSERVER" "${ARGS[@]}" &
   PID=$!
-  trap 'kill -TERM $PID 2>/dev/null; wait $PID; exit 0' INT TERM
-  wait $PID
-  exit $?
+  trap 'stop_server $PID; exit 0' INT TERM
+  wait $PID || true
+  stop_server "$PID"
+  exit 0
 fi
 
 if [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
   echo "a server started by serve.sh already runs on port $HTTP (pid $(cat "$PIDFILE")); --stop it first" >&2
   exit 1
 fi
-nohup "$TRITONSERVER" "${ARGS[@]}" >"$LOG" 2>&1 &
+setsid "$TRITONSERVER" "${ARGS[@]}" >"$LOG" 2>&1 </dev/null &
 PID=$!
 echo "$PID" >"$PIDFILE"
 printf '[serve] starting tritonserver (pid %s, log %s) ' "$PID" "$LOG"
 for i in $(seq 1 "$TIMEOUT"); do
   if ! kill -0 "$PID" 2>/dev/null; then
     echo; echo "[serve] tritonserver exited; last log lines:" >&2; tail -n 30 "$LOG" >&2
-    rm -f "$PIDFILE"; exit 1
+    stop_server "$PID"; rm -f "$PIDFILE"; exit 1
   fi
-  if curl -sf "http://127.0.0.1:$HTTP/v2/health/ready" >/dev/null 2>&1; then
+  if curl -sf "http://$HOST:$HTTP/v2/health/ready" >/dev/null 2>&1; then
     echo " ready after ${i}s"
-    echo "[serve] HTTP    http://127.0.0.1:$HTTP  (POST /v2/models/ensemble/generate[_stream])"
-    echo "[serve] gRPC    127.0.0.1:$GRPC"
-    echo "[serve] metrics http://127.0.0.1:$METRICS/metrics"
+    echo "[serve] HTTP    http://$HOST:$HTTP  (POST /v2/models/ensemble/generate[_stream])"
+    echo "[serve] gRPC    $HOST:$GRPC"
+    echo "[serve] metrics http://$HOST:$METRICS/metrics"
     echo "[serve] log     $LOG   stop: scripts/serve.sh --stop --http-port $HTTP"
     exit 0
   fi
@@ -115,4 +152,5 @@ for i in $(seq 1 "$TIMEOUT"); do
   sleep 1
 done
 echo; echo "[serve] not ready after ${TIMEOUT}s; see $LOG" >&2
+stop_server "$PID"; rm -f "$PIDFILE"
 exit 1

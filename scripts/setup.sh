@@ -57,6 +57,15 @@ fi
 step "tritonserver"
 "$VPY" "$ROOT/scripts/triton_paths.py" --install-stub
 
+step "KV data-plane bind shim"  # see scripts/bind_shim.c
+command -v cc >/dev/null 2>&1 || { SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo";
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq gcc libc6-dev; }
+SHIM="$VENV/lib/pd_bind_shim.so"
+if [ ! -f "$SHIM" ] || [ "$ROOT/scripts/bind_shim.c" -nt "$SHIM" ]; then
+  cc -shared -fPIC -O2 -Wall -o "$SHIM" "$ROOT/scripts/bind_shim.c" -ldl
+fi
+echo "$SHIM"
+
 step "default model"
 "$VPY" "$ROOT/scripts/convert_smollm2.py" --out "$ROOT/models/smollm2-135m-instruct"
 

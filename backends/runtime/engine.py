@@ -11,6 +11,9 @@ Each :meth:`LLMEngine.step`:
 
 Every output token is reported by exactly one step. A sequence finishes on EOS (unless
 ``ignore_eos``) or ``max_tokens``; its pages are freed exactly once (also on :meth:`abort`).
+A sequence whose prefill, forward or sampling fails ends with ``FinishReason.ERROR`` and its
+message in ``StepOutput.errors``; the other sequences of the step go on (a failed batched
+forward is retried one sequence at a time to find the one that fails).
 
 Context limit policy: a request is rejected (ValueError) unless
 ``len(prompt) + max_tokens <= max_context``, so an admitted sequence always runs to completion.
@@ -20,6 +23,7 @@ Not thread-safe: one thread drives the engine (the serving layer owns the loop).
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -28,11 +32,14 @@ from .runner import ModelRunner
 from .sampler import SamplingParams, sample
 from .sequence import FinishReason, SeqStatus, Sequence, check_context
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class StepOutput:
     new_tokens: dict[str, list[int]] = field(default_factory=dict)  # seq_id -> tokens this step
     finished: list[Sequence] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)  # seq_id -> why it failed this step
 
 
 class LLMEngine:
@@ -147,6 +154,15 @@ class LLMEngine:
         if pages:
             self.pool.free(pages)
 
+    def _fail_seq(self, seq: Sequence, error: str, out: StepOutput) -> None:
+        log.warning("sequence %s failed: %s", seq.seq_id, error)
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.finish_reason = FinishReason.ERROR
+        self._release(seq)
+        out.finished.append(seq)
+        out.errors[seq.seq_id] = error
+
     def _emit(self, seq: Sequence, token: int, out: StepOutput) -> None:
         done = seq.append(token, self.eos_ids)
         out.new_tokens.setdefault(seq.seq_id, []).append(token)
@@ -178,9 +194,28 @@ class LLMEngine:
             [s.num_tokens - 1 for s in decoding],
             [s.pages for s in decoding],
         )  # [B, vocab]
-        tokens = sample(logits, [s.params for s in decoding], [s.generator for s in decoding])
-        for seq, token in zip(decoding, tokens, strict=True):
-            self._emit(seq, token, out)
+        errors: dict[int, str] = {}
+        params, gens = [s.params for s in decoding], [s.generator for s in decoding]
+        tokens = sample(logits, params, gens, errors)
+        for i, (seq, token) in enumerate(zip(decoding, tokens, strict=True)):
+            if token is None:
+                self._fail_seq(seq, f"sampling failed: {errors[i]}", out)
+            else:
+                self._emit(seq, token, out)
+
+    def _decode_isolated(self, decoding: list[Sequence], out: StepOutput) -> None:
+        """``_decode``; when the batch fails, retry one sequence at a time so only the ones that
+        fail alone end with an error."""
+        try:
+            self._decode(decoding, out)
+        except Exception as e:
+            if len(decoding) == 1:
+                self._fail_seq(decoding[0], f"decode step failed: {type(e).__name__}: {e}", out)
+                return
+            log.warning("batched decode step failed (%s); retrying sequence by sequence", e)
+            for seq in decoding:
+                if seq in self.running:
+                    self._decode_isolated([seq], out)
 
     def _admit(self, out: StepOutput) -> None:
         while self.waiting and len(self.running) < self.max_batch:
@@ -194,14 +229,19 @@ class LLMEngine:
             if seq.prefilled:  # the first token came with the KV: report it, check stops
                 self._emit(seq, seq.output_ids.pop(), out)
                 continue
-            self._emit(seq, self._prefill(seq), out)
+            try:
+                token = self._prefill(seq)
+            except Exception as e:
+                self._fail_seq(seq, f"prefill failed: {type(e).__name__}: {e}", out)
+                continue
+            self._emit(seq, token, out)
 
     def step(self) -> StepOutput:
         out = StepOutput()
         decoding = list(self.running)  # sequences admitted before this step
         self._admit(out)
         if decoding:
-            self._decode(decoding, out)
+            self._decode_isolated(decoding, out)
         return out
 
     def generate(

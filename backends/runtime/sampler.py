@@ -43,6 +43,14 @@ class SamplingParams:
         return torch.Generator(device=device).manual_seed(self.seed)
 
 
+def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature, safe at any temperature > 0: the row maximum is subtracted first,
+    so a tiny temperature gives 0 for the best token and -inf (not inf - inf = nan) for the
+    others, i.e. the greedy limit, and a huge one gives the uniform limit."""
+    row = logits.float()
+    return (row - row.max(dim=-1, keepdim=True).values) / temperature
+
+
 def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """logits: [V] -> logits with tokens outside top-k / nucleus set to -inf."""
     if top_k > 0 and top_k < logits.shape[-1]:
@@ -61,18 +69,26 @@ def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
-) -> list[int]:
-    """logits: [B, V] float32 -> one token id per row."""
+    errors: dict[int, str] | None = None,
+) -> list[int | None]:
+    """logits: [B, V] float32 -> one token id per row.
+
+    A row whose sampling raises gets None, and with ``errors`` its message (row -> text), so
+    one bad request never fails the others of its batch."""
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError(
             f"logits [B, V] must match params and generators: {tuple(logits.shape)}, "
             f"{len(params)} params, {len(generators)} generators"
         )
-    out = logits.argmax(-1).tolist()  # greedy for everyone, overwritten where sampling
+    out: list[int | None] = logits.argmax(-1).tolist()  # greedy for all, replaced where sampling
     for i, (p, g) in enumerate(zip(params, generators, strict=True)):
         if p.greedy:
             continue
-        row = _filter(logits[i].float() / p.temperature, p.top_k, p.top_p)
-        probs = row.softmax(-1)
-        out[i] = int(torch.multinomial(probs, 1, generator=g))
+        try:
+            probs = _filter(scaled(logits[i], p.temperature), p.top_k, p.top_p).softmax(-1)
+            out[i] = int(torch.multinomial(probs, 1, generator=g))
+        except Exception as e:  # noqa: BLE001 - contained to this row, reported by the caller
+            if errors is None:
+                raise
+            out[i], errors[i] = None, f"{type(e).__name__}: {e}"
     return out

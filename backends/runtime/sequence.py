@@ -31,6 +31,7 @@ class FinishReason:
     STOP = "stop"  # sampled an EOS token
     LENGTH = "length"  # reached max_tokens
     ABORT = "abort"
+    ERROR = "error"  # this sequence failed (the step's other sequences go on)
 
 
 @dataclass

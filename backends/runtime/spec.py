@@ -42,7 +42,7 @@ import torch
 from .engine import LLMEngine, StepOutput
 from .kv_pool import KVPool
 from .runner import ModelRunner, SeqInput
-from .sampler import SamplingParams, _filter
+from .sampler import SamplingParams, _filter, scaled
 from .sequence import Sequence
 
 # ---- draft models ------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ class SpecStats:
 
 def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [n, V] -> sampling distribution [n, V] (temperature, top-k, top-p applied)."""
-    rows = [_filter(r.float() / params.temperature, params.top_k, params.top_p) for r in logits]
+    rows = [_filter(scaled(r, params.temperature), params.top_k, params.top_p) for r in logits]
     return torch.stack(rows).softmax(-1)
 
 
@@ -277,6 +277,15 @@ class SpecEngine(LLMEngine):
         return drafts, qs
 
     def _decode(self, decoding: list[Sequence], out: StepOutput) -> None:
+        saved = [s.draft_len for s in decoding]  # a failed step leaves the draft KV as it was
+        try:
+            self._spec_step(decoding, out)
+        except Exception:
+            for s, n in zip(decoding, saved, strict=True):
+                s.draft_len = n
+            raise
+
+    def _spec_step(self, decoding: list[Sequence], out: StepOutput) -> None:
         k = self.draft.num_spec_tokens
         ks = [min(k, s.params.max_tokens - len(s.output_ids) - 1) for s in decoding]
         drafts, qs = self._propose(decoding, ks)
@@ -286,20 +295,27 @@ class SpecEngine(LLMEngine):
         ]
         logits = self.runner.forward(self.pool, inputs)  # per seq [k_i + 1, V]
         for seq, lg, d, q in zip(decoding, logits, drafts, qs, strict=True):
-            if seq.params.greedy:
-                tokens, m = accept_greedy(lg, d)
-            else:
-                p = probs(lg, seq.params)
-                tokens, m = accept_sampled(p, torch.stack(q) if q else p[:0], d, seq.generator)
-            # draft KV is valid only where the fed tokens were accepted
-            seq.draft_len = min(seq.draft_len, seq.num_tokens + m)
-            seq.num_proposed += len(d)
-            seq.num_accepted += m
-            seq.num_verify_steps += 1
-            self.stats.proposed += len(d)
-            self.stats.accepted += m
-            self.stats.verify_steps += 1
-            for token in tokens:
-                self._emit(seq, token, out)
-                if seq.finished:
-                    break  # EOS / max_tokens inside the accepted run: drop the rest
+            try:
+                if seq.params.greedy:
+                    tokens, m = accept_greedy(lg, d)
+                else:
+                    p = probs(lg, seq.params)
+                    tokens, m = accept_sampled(p, torch.stack(q) if q else p[:0], d, seq.generator)
+            except Exception as e:  # this sequence only
+                self._fail_seq(seq, f"sampling failed: {type(e).__name__}: {e}", out)
+                continue
+            self._accept(seq, tokens, m, len(d), out)
+
+    def _accept(self, seq: Sequence, tokens: list[int], m: int, proposed: int, out) -> None:
+        # draft KV is valid only where the fed tokens were accepted
+        seq.draft_len = min(seq.draft_len, seq.num_tokens + m)
+        seq.num_proposed += proposed
+        seq.num_accepted += m
+        seq.num_verify_steps += 1
+        self.stats.proposed += proposed
+        self.stats.accepted += m
+        self.stats.verify_steps += 1
+        for token in tokens:
+            self._emit(seq, token, out)
+            if seq.finished:
+                break  # EOS / max_tokens inside the accepted run: drop the rest

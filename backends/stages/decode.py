@@ -8,16 +8,20 @@ pages of both pools (kvtransfer entries ``target`` and ``draft``) and runs a
 
 Per request (:meth:`DecodeWorker.submit`, any thread):
 
-1. allocate pages for ``prompt + max_tokens - 1`` tokens in each pool (FIFO-queued while a pool
-   is full) and register them with the request's prefill bootstrap address, while prefill
-   computes;
+1. wait (FIFO, at most ``max_queue`` requests and ``queue_timeout_s``: backpressure, past the
+   bound ``overloaded, retry later``) for pages for ``prompt + max_tokens - 1`` tokens in each
+   pool, then register the prompt's pages with the request's prefill (which computes the room
+   only now: it never computes for pages decode does not hold);
 2. when the room reaches Success, hand the pages and the first token to the engine
    (``add_prefilled``, which owns the pages from then on);
-3. each engine step emits the new tokens through the request's ``emit`` callback.
+3. each engine step emits the new tokens through the request's ``emit`` callback; while a
+   request has nothing to send it gets a heartbeat event every ``HEARTBEAT_S`` so the serving
+   layer can notice a client cancel in every phase.
 
 A failed transfer, a client cancel (``is_cancelled`` or :meth:`DecodeWorker.cancel`) or an
-engine error ends the request with one final event; its pages are freed exactly once (by this
-worker before step 2, by the engine after it).
+engine error ends the request with one final event at once; its pages are freed exactly once:
+by this worker before step 2 (after the room's quarantine when prefill may still write into
+them, see kvtransfer/receiver.py), by the engine after it.
 """
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ from ..runtime.engine import LLMEngine, StepOutput
 from ..runtime.runner import ModelRunner
 from ..runtime.sequence import check_context
 from ..runtime.spec import DraftSpec, SpecEngine
+from . import errors
 from .cancel import CancelListener
-from .decode_state import PREFIX_WINDOW, ActiveRequest, DecodeEvent, Emit, Phase, always, noop
+from .decode_control import DecodeControl
+from .decode_state import PREFIX_WINDOW, ActiveRequest, DecodeEvent, Emit, Phase
 from .draft import DRAFT, explain_failure, load_stage_draft, make_draft_pool, spec_stats
 from .params import StageParams
 from .request import StageRequest
@@ -46,10 +52,13 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DecodeEvent", "DecodeWorker"]
 
-CANCEL_POLL_S = 0.05
+COUNTERS = (
+    "requests", "failed", "cancelled", "overloaded", "steps", "max_batch", "last_batch",
+    "tokens", "loop_errors",
+)  # fmt: skip
 
 
-class DecodeWorker:
+class DecodeWorker(DecodeControl):
     def __init__(self, params: StageParams, runner: ModelRunner | None = None, name="decode"):
         self.params = params
         self.runner = runner or ModelRunner.load(
@@ -76,15 +85,14 @@ class DecodeWorker:
         self._cond = threading.Condition()
         self._cancel_rooms: set[int] = set()
         self._waiting: deque[ActiveRequest] = deque()  # no pages yet (FIFO)
-        self._transfers: dict[int, ActiveRequest] = {}  # room -> registered, KV in flight
-        self._ready: deque[tuple[int, RoomStatus]] = deque()  # rooms ended (control thread)
+        self._transfers: dict[int, ActiveRequest] = {}  # room -> holds pages, KV in flight
+        self._ready: deque[tuple[int, RoomStatus]] = deque()  # rooms released (control thread)
+        self._failed: deque[tuple[int, str]] = deque()  # rooms failed (control thread)
         self._running: dict[str, ActiveRequest] = {}  # seq id -> in the engine
-        self.counters = dict.fromkeys(
-            ("requests", "failed", "cancelled", "steps", "max_batch", "last_batch", "tokens"), 0
-        )
+        self.counters = dict.fromkeys(COUNTERS, 0)
         self.counters.update(ttft_sum=0.0, ttft_count=0, itl_sum=0.0, itl_count=0)
         self._stop = False
-        self._last_cancel_poll = 0.0
+        self._last_poll = 0.0
         self._thread = threading.Thread(target=self._loop, name=f"{name}-loop", daemon=True)
         self._thread.start()
 
@@ -100,7 +108,7 @@ class DecodeWorker:
                 what = "" if role == "target" else f"{role} "
                 raise ValueError(
                     f"request needs {need} {what}KV pages, the decode {what}pool has only"
-                    f" {pool.num_pages}"
+                    f" {pool.num_pages}: it can never run here"
                 )
         if not req.bootstrap_addr:
             raise ValueError("no prefill bootstrap address")
@@ -108,25 +116,33 @@ class DecodeWorker:
     def submit(
         self, req: StageRequest, emit: Emit, is_cancelled: Callable[[], bool] | None = None
     ) -> None:
-        """Queue a request; raises ValueError (nothing queued) when it can never run."""
+        """Queue a request; raises ValueError (invalid: nothing queued) or errors.Overloaded.
+        A room id already in use is refused without touching the request that owns it."""
+        r = ActiveRequest(req, emit, is_cancelled)
+        with self._cond:
+            if req.room in self._transfers or r.seq_id in self._running or self._queued(req.room):
+                raise ValueError(f"room {req.room} is already in use")
         try:
             self.validate(req)
-        except ValueError as e:
+            with self._cond:
+                if self._stop:
+                    raise errors.Overloaded(f"{self.name} is shutting down")
+                if len(self._waiting) >= self.params.max_queue:
+                    self.counters["overloaded"] += 1
+                    raise errors.Overloaded(f"{len(self._waiting)} requests wait for KV pages")
+                self.counters["requests"] += 1
+                r.t["submitted"], r.queued_at = time.time(), time.monotonic()
+                r.last_event = r.queued_at
+                self._waiting.append(r)
+        except (ValueError, errors.Overloaded) as e:
             self._refuse(req, str(e))
             raise
-        r = ActiveRequest(req, emit, is_cancelled)
-        r.t["submitted"] = time.time()
-        with self._cond:
-            if req.room in self._transfers or r.seq_id in self._running:
-                raise ValueError(f"room {req.room} is already in use")
-            self.counters["requests"] += 1
-            self._waiting.append(r)
         self._register_waiting()
         with self._cond:
             self._cond.notify_all()
 
     def cancel(self, room: int) -> None:
-        """Stop a request (any thread): its pages are freed, it ends with a final event."""
+        """Stop a request (any thread): it ends with a final event, its pages are freed."""
         with self._cond:
             self._cancel_rooms.add(room)
             self._cond.notify_all()
@@ -138,10 +154,14 @@ class DecodeWorker:
 
     def stats(self) -> dict:
         snap = self.receiver.stats()
+        transfer_errors = snap.get("loop_errors", 0)
         with self._cond:
             snap.update(self.counters)
             snap["waiting"] = len(self._waiting) + len(self._transfers) + len(self.engine.waiting)
             snap["running"] = len(self.engine.running)
+            quarantined = [r for r in self._transfers.values() if r.phase == Phase.DONE]
+            snap["quarantined_pages"] = sum(len(p) for r in quarantined for p in r.pages.values())
+        snap["loop_errors"] += transfer_errors
         snap["pages_in_use"] = self.pages_in_use
         snap["num_pages"] = sum(p.num_pages for p in self.pools.values())
         if self.draft is not None:
@@ -149,26 +169,29 @@ class DecodeWorker:
         return snap
 
     def close(self) -> None:
-        self._stop = True
+        """Every request not yet finished gets a final error; then the threads stop."""
         with self._cond:
+            self._stop = True
             self._cond.notify_all()
         self._thread.join(timeout=10)
+        for r in self._all():
+            if r.phase != Phase.DONE:
+                self._finish(r, error="decode instance shutting down", kind=errors.OVERLOADED)
         self.cancel_listener.close()
         self.receiver.close()
 
     # ---- registration ------------------------------------------------------------------------
+    def _queued(self, room: int) -> bool:
+        return any(r.req.room == room for r in self._waiting)
+
     def _refuse(self, req: StageRequest, reason: str) -> None:
-        """Tell prefill at once that this room will never be taken, so it frees its pages
-        now instead of after ``bootstrap_timeout_s`` (best effort)."""
-        if not req.bootstrap_addr:
-            return
-        try:
-            empty = dict.fromkeys(self.pools, [])
-            n = len(req.prompt_ids)
-            self.receiver.register(req.room, [req.bootstrap_addr], empty, n, noop)
-            self.receiver.abort(req.room, f"decode refused the request: {reason}")
-        except Exception:
-            log.debug("%s: room %d: refusing at prefill failed", self.name, req.room)
+        """Tell prefill at once that this room will never be registered, so it drops the
+        request now instead of after its queue timeout (best effort)."""
+        if req.bootstrap_addr:
+            try:
+                self.receiver.refuse(req.room, [req.bootstrap_addr], reason)
+            except Exception:
+                log.debug("%s: room %d: refusing at prefill failed", self.name, req.room)
 
     def _register_waiting(self) -> None:
         """Give pages to waiting requests in FIFO order and register them with prefill."""
@@ -185,41 +208,63 @@ class DecodeWorker:
                 r.pages = {role: p.alloc(need[role]) for role, p in self.pools.items()}
                 r.phase = Phase.TRANSFER
                 self._transfers[r.req.room] = r
-            try:
-                self.receiver.register(
-                    r.req.room,
-                    [r.req.bootstrap_addr],
-                    r.pages,
-                    len(r.req.prompt_ids),
-                    self._on_release,
-                )
-                r.t["registered"] = time.time()
-            except Exception as e:  # bad address etc.: this request only
-                with self._cond:
-                    self._transfers.pop(r.req.room, None)
-                self._free(r)
-                self._finish(r, error=f"registering KV pages with prefill failed: {e}")
+            self._register(r)
+
+    def _register(self, r: ActiveRequest) -> None:
+        prompt = len(r.req.prompt_ids)
+        dst = {role: r.pages[role][: self.pools[role].pages_needed(prompt)] for role in r.pages}
+        try:
+            self.receiver.register(
+                r.req.room, [r.req.bootstrap_addr], dst, prompt, self._on_release, self._on_fail
+            )
+            r.t["registered"] = time.time()
+        except Exception as e:  # bad address, room id in use...: this request only
+            with self._cond:
+                self._transfers.pop(r.req.room, None)
+            self._free(r)
+            self._finish(r, error=f"registering KV pages with prefill failed: {e}")
 
     def _on_release(self, room: int, status: RoomStatus) -> None:  # control thread
         with self._cond:
             self._ready.append((room, status))
             self._cond.notify_all()
 
+    def _on_fail(self, room: int, reason: str) -> None:  # control thread
+        with self._cond:
+            self._failed.append((room, reason))
+            self._cond.notify_all()
+
     # ---- loop thread -------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop:
             with self._cond:
-                if not (self._ready or self._cancel_rooms or self.engine.has_unfinished()):
-                    self._cond.wait(CANCEL_POLL_S)
+                busy = self._ready or self._failed or self._cancel_rooms
+                if not (busy or self.engine.has_unfinished()):
+                    self._cond.wait(0.05)
             try:
                 self._poll_cancelled()
+                self._take_failed()
                 self._take_ready()
                 self._register_waiting()
+                self._expire_waiting()
                 if self.engine.has_unfinished():
                     self._step()
-            except Exception:
+                self._heartbeats()
+            except Exception:  # the loop never dies: count, log, go on
+                self.counters["loop_errors"] += 1
                 log.exception("%s: decode loop iteration failed", self.name)
-                self._fail_running("decode step failed (see server log)")
+                time.sleep(0.01)
+
+    def _take_failed(self) -> None:
+        """Rooms that failed: the request ends now; its pages wait for the room's release."""
+        while True:
+            with self._cond:
+                if not self._failed:
+                    return
+                room, reason = self._failed.popleft()
+                r = self._transfers.get(room)
+            if r is not None and r.phase == Phase.TRANSFER:
+                self._finish(r, error=f"KV transfer failed: {explain_failure(reason)}")
 
     def _take_ready(self) -> None:
         while True:
@@ -231,10 +276,10 @@ class DecodeWorker:
             if r is None:
                 continue
             r.t["transfer_done"] = time.time()
-            if r.cancelled or status != RoomStatus.Success:
+            if r.phase == Phase.DONE or status != RoomStatus.Success:  # failed / cancelled
                 self._free(r)
                 why = explain_failure(self.receiver.failure_reason(room) or status.name)
-                self._finish(r, error=None if r.cancelled else f"KV transfer failed: {why}")
+                self._finish(r, error=f"KV transfer failed: {why}")  # no-op when done
                 continue
             try:
                 first, _extra = self.receiver.result(room)
@@ -277,6 +322,10 @@ class DecodeWorker:
             r = self._running.get(seq_id)
             if r is None:
                 continue
+            if seq_id in out.errors:  # this sequence failed; the others go on
+                del self._running[seq_id]
+                self._finish(r, error=f"decode failed for this request: {out.errors[seq_id]}")
+                continue
             tokens = out.new_tokens.get(seq_id, [])
             c["tokens"] += len(tokens)
             if "first_token" not in r.t:
@@ -294,74 +343,3 @@ class DecodeWorker:
             if final:
                 del self._running[seq_id]
                 self._finish(r, reason=reasons[seq_id], tokens=tokens)
-
-    def _send(self, r: ActiveRequest, ev: DecodeEvent) -> bool:
-        try:
-            r.emit(ev)
-            return True
-        except Exception as e:  # the client is gone: stop generating for it
-            log.info("%s: room %d: emit failed (%s); aborting", self.name, r.req.room, e)
-            r.cancelled = True
-            if r.seq_id in self._running:
-                self.engine.abort(r.seq_id)
-                del self._running[r.seq_id]
-            return False
-
-    def _finish(self, r: ActiveRequest, error=None, reason=None, tokens=None) -> None:
-        if r.phase == Phase.DONE:
-            return
-        r.phase = Phase.DONE
-        r.t["finished"] = time.time()
-        if error:
-            self.counters["failed"] += 1
-            ev = DecodeEvent([], [], final=True, error=error)
-        elif r.cancelled:
-            self.counters["cancelled"] += 1
-            ev = DecodeEvent([], [], final=True, finish_reason="cancelled")
-        elif r.req.stream:
-            prefix = r.out_ids[: len(r.out_ids) - len(tokens)][-PREFIX_WINDOW:]
-            ev = DecodeEvent(list(tokens), prefix, final=True, finish_reason=reason)
-        else:
-            ev = DecodeEvent(list(r.out_ids), [], final=True, finish_reason=reason)
-        self._send(r, ev)
-        self.trace.write({"stage": "decode", "room": r.req.room, "error": error,
-                          "cancelled": r.cancelled, **r.t, "tokens": len(r.out_ids)})  # fmt: skip
-
-    # ---- cancellation ------------------------------------------------------------------------
-    def _poll_cancelled(self) -> None:
-        now = time.monotonic()
-        with self._cond:
-            rooms, self._cancel_rooms = self._cancel_rooms, set()
-        if not rooms and now - self._last_cancel_poll < CANCEL_POLL_S:
-            return
-        self._last_cancel_poll = now
-        for r in self._all():
-            if r.req.room in rooms:
-                r.is_cancelled = always
-        with self._cond:
-            waiting = [r for r in self._waiting if r.cancel_requested()]
-            for r in waiting:
-                self._waiting.remove(r)
-            transfers = [r for r in self._transfers.values() if r.cancel_requested()]
-        for r in waiting:
-            r.cancelled = True
-            self._finish(r)
-        for r in transfers:
-            r.cancelled = True  # on_release -> _take_ready frees the pages
-            self.receiver.abort(r.req.room, "client cancelled")
-        for seq_id, r in list(self._running.items()):
-            if r.cancel_requested():
-                r.cancelled = True
-                self.engine.abort(seq_id)
-                del self._running[seq_id]
-                self._finish(r)
-
-    def _all(self) -> list[ActiveRequest]:
-        with self._cond:
-            return [*self._waiting, *self._transfers.values(), *self._running.values()]
-
-    def _fail_running(self, error: str) -> None:
-        for seq_id, r in list(self._running.items()):
-            self.engine.abort(seq_id)
-            del self._running[seq_id]
-            self._finish(r, error=error)

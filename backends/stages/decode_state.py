@@ -17,7 +17,7 @@ class Phase(enum.IntEnum):
     WAITING = 0  # queued for destination pages
     TRANSFER = 1  # pages registered with prefill, KV in flight
     RUNNING = 2  # in the engine's continuous batch
-    DONE = 3  # final event sent, pages freed (by the worker or the engine)
+    DONE = 3  # final event sent; pages freed, or quarantined until the room's release
 
 
 @dataclass
@@ -26,7 +26,9 @@ class DecodeEvent:
     prefix_ids: list[int]  # up to PREFIX_WINDOW tokens emitted before token_ids
     final: bool = False
     error: str | None = None
+    error_kind: str | None = None  # errors.INVALID / OVERLOADED / INTERNAL
     finish_reason: str | None = None
+    heartbeat: bool = False  # no tokens: lets the serving layer check for a client cancel
 
 
 Emit = Callable[[DecodeEvent], None]
@@ -42,6 +44,8 @@ class ActiveRequest:
     cancelled: bool = False
     out_ids: list[int] = field(default_factory=list)
     t: dict = field(default_factory=dict)  # timestamps for the trace
+    last_event: float = 0.0  # time.monotonic() of the last event sent (heartbeats)
+    queued_at: float = 0.0  # time.monotonic() when it started waiting for pages
 
     @property
     def seq_id(self) -> str:

@@ -26,6 +26,7 @@ DEFAULT_MODEL = "models/smollm2-135m-instruct"
 STAGES = ("preprocess", "prefill", "decode", "postprocess")
 PD = ("prefill", "decode")
 _TC, _LG = TransferConfig, LayerGroupPolicy  # dataclass defaults are class attributes
+SECRET_ENV = "PD_SHARED_SECRET"
 
 
 def _p(default, stages: tuple[str, ...], doc: str):
@@ -98,7 +99,26 @@ class StageParams:
     shared_secret: str = _p(
         "",
         ("prefill", "decode", "postprocess"),
-        ">= 16 characters: HMAC-SHA256 on every control and cancel message",
+        ">= 16 characters: HMAC-SHA256 on every control and cancel message; empty = the"
+        f" `{SECRET_ENV}` environment variable (`serve.sh` sets a random one per start)",
+    )
+    allow_insecure: bool = _p(
+        False,
+        PD,
+        "allow a non-loopback `bootstrap_host` without a shared secret (unsigned control"
+        " messages on the network); without it such a config fails the load",
+    )
+    max_queue: int = _p(
+        64,
+        PD,
+        "requests a stage holds waiting (prefill: for decode's pages or for compute; decode: for"
+        " KV pages); past it new requests get `overloaded, retry later` (UNAVAILABLE) at once",
+    )
+    queue_timeout_s: float = _p(
+        _TC.queue_timeout_s,
+        PD,
+        "how long a request may wait in a queue before anything is computed for it; past it it"
+        " ends `overloaded, retry later`",
     )
     trace_dir: str = _p(
         "",
@@ -134,7 +154,9 @@ class StageParams:
             raise ValueError(
                 f"parameter transport must be one of {PROTOCOLS}, got {self.transport!r}"
             )
-        positive = ("page_size", "num_pages", "max_batch", "max_context", "max_tokens_limit")
+        positive = (
+            "page_size", "num_pages", "max_batch", "max_context", "max_tokens_limit", "max_queue"
+        )  # fmt: skip
         for name in (*positive, "draft_layers", "spec_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(
@@ -148,7 +170,18 @@ class StageParams:
         if self.lg_fixed_group_size < 0:
             raise ValueError("parameter lg_fixed_group_size must be >= 0 (0 = adaptive policy)")
         self.policy()  # LayerGroupPolicy checks its own ranges
-        self.transfer_config()  # and TransferConfig its own
+        cfg = self.transfer_config()  # and TransferConfig its own
+        if not cfg.is_loopback and cfg.shared_secret is None and not self.allow_insecure:
+            raise ValueError(
+                f"bootstrap_host {self.bootstrap_host} is not a loopback address but no shared"
+                f" secret is set: set shared_secret (or {SECRET_ENV}, >= 16 characters) on both"
+                " stages, or allow_insecure: true to send unsigned control messages"
+            )
+
+    @property
+    def secret(self) -> str:
+        """The shared secret in effect: the parameter, else the environment variable."""
+        return self.shared_secret or os.environ.get(SECRET_ENV, "")
 
     @property
     def model_path(self) -> str:
@@ -187,7 +220,8 @@ class StageParams:
                 rdma_device=self.rdma_device,
                 bootstrap_timeout_s=self.bootstrap_timeout_s,
                 transfer_timeout_s=self.transfer_timeout_s,
-                shared_secret=self.shared_secret or None,
+                queue_timeout_s=self.queue_timeout_s,
+                shared_secret=self.secret or None,
             )
         except ValueError as e:
             raise ValueError(f"transfer parameters: {e}") from None

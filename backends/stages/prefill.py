@@ -2,38 +2,41 @@
 
 One :class:`PrefillWorker` per prefill instance owns the model runner, its KV pool, a
 :class:`~kvtransfer.KVSender` (bootstrap endpoint ``bootstrap_addr``), the layer-group policy,
-and ONE compute thread fed by a queue (:meth:`PrefillWorker.submit`). Per request: allocate
-pages, ``start_room`` (claims decode's registration whenever it arrives), run the prompt group
-by group calling ``send_group`` after each, sample the first token with the request's sampling
-parameters, ``finish``. The sender's release callback frees the pages once the room ended and
-no write reads them any more; on an error the room is aborted (decode sees Failed) and the
-pages are freed the same way, exactly once.
+and ONE compute thread. :meth:`PrefillWorker.submit` queues a request; the compute thread takes
+it only once decode has registered its destination pages (decode holds its pages: natural
+backpressure, a request is never failed for waiting on decode), in registration order. Then:
+allocate pages, ``start_room``, run the prompt group by group calling ``send_group`` after each
+(with the group's completion fence), sample the first token, ``finish``. The sender's release
+callback frees the pages once the room ended and no write reads them any more.
+
+Bounds: at most ``max_queue`` requests wait (more get :class:`~.errors.Overloaded` at once);
+a request decode never registers leaves after ``queue_timeout_s``; a room decode aborted is
+dropped before compute, or stops between layer groups. ``on_done(result)`` runs exactly once
+per submitted request.
 
 With ``spec_enabled`` (:mod:`.draft`) the worker also holds the draft model and a draft KV pool:
 after the target's groups it runs the draft over the prompt (a self-draft's KV is copied from
-the target's first layers instead) and sends those pages as the room's ``draft`` entry;
-``finish`` completes the room only after both entries landed.
-
-How decode learns the address: the prefill Triton model answers every request at once with
-the request carrying ``bootstrap_addr`` (before computing), and decode registers there.
+the target's first layers instead) and sends those pages as the room's ``draft`` entry.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvtransfer import KVSender
+from kvtransfer import KVSender, RoomStatus
 
 from ..runtime.device import record_fence, resolve_device
 from ..runtime.kv_pool import KVPool
 from ..runtime.runner import ModelRunner
 from ..runtime.sampler import sample
 from .draft import DRAFT, copy_prefix_kv, load_stage_draft, make_draft_pool, shares_target_layers
+from .errors import Overloaded
 from .params import StageParams
 from .request import StageRequest
 from .trace import TraceWriter
@@ -43,12 +46,30 @@ log = logging.getLogger(__name__)
 Groups = list[tuple[int, int]]
 
 
+class RoomGone(RuntimeError):
+    """The room ended (aborted, timed out) while prefill computed it: stop computing."""
+
+
 @dataclass
 class PrefillResult:
     room: int
     first_token: int | None = None
     error: str | None = None
     timing: dict = field(default_factory=dict)
+
+
+class JobState(enum.IntEnum):
+    WAITING = 0  # queued; decode has not registered its pages yet
+    READY = 1  # registered: waiting for the compute thread (FIFO)
+    COMPUTING = 2
+    DONE = 3  # on_done ran
+
+
+@dataclass
+class _Job:
+    req: StageRequest
+    on_done: Callable[[PrefillResult], None] | None
+    state: JobState = JobState.WAITING
 
 
 class PrefillWorker:
@@ -78,21 +99,64 @@ class PrefillWorker:
         # completion fence of the work queued so far on the compute stream (None on CPU); the
         # sender's transfer worker waits on it, never this worker's compute thread
         self.record_fence = lambda: record_fence(self.runner.device)
-        self._freed = threading.Condition()
-        self.counters = {"requests": 0, "failed": 0}
-        self._queue: queue.Queue = queue.Queue()
+        self.counters = dict.fromkeys(("requests", "failed", "overloaded", "loop_errors"), 0)
+        self._cond = threading.Condition()
+        self._jobs: dict[int, _Job] = {}  # room -> job, until on_done ran
+        self._room_pages: dict[int, dict[str, list[int]]] = {}  # until the room's release
+        self._ready: deque[int] = deque()  # registered rooms, in registration order
+        self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-compute", daemon=True)
         self._thread.start()
 
     # ---- public API (any thread) -------------------------------------------------------------
     def submit(self, req: StageRequest, on_done: Callable[[PrefillResult], None] | None = None):
-        """Queue a request for the compute thread; ``on_done(result)`` runs there when the
-        request's KV has been handed to the sender (or it failed)."""
-        self._queue.put((req, on_done))
+        """Queue a request; its compute starts once decode registered its pages. Raises
+        ValueError (never runnable as it is, or its room id is in use) or Overloaded."""
+        self.check(req)
+        with self._cond:
+            if self._stop:
+                raise Overloaded(f"{self.name} is shutting down")
+            if req.room in self._jobs:
+                raise ValueError(f"room {req.room} is already in use")
+            if len(self._jobs) >= self.params.max_queue:
+                self.counters["overloaded"] += 1
+                raise Overloaded(f"{self.name} holds {len(self._jobs)} requests (max_queue)")
+            self._jobs[req.room] = _Job(req, on_done)
+            self.counters["requests"] += 1
+        try:
+            self.sender.expect(req.room, len(req.prompt_ids), self._registered, self._released)
+        except Exception as e:
+            with self._cond:
+                self._jobs.pop(req.room, None)
+            if isinstance(e, KeyError):
+                raise ValueError(f"room {req.room} is already in use") from None
+            raise
+
+    def check(self, req: StageRequest) -> None:
+        """ValueError for a request this stage can never run."""
+        if not req.prompt_ids:
+            raise ValueError("prompt is empty")
+        for _, pool in self._pools():
+            n = pool.pages_needed(len(req.prompt_ids))
+            if n > pool.num_pages:
+                what = pool.layout.role
+                raise ValueError(
+                    f"prompt needs {n} {what} KV pages but the prefill {what} pool has"
+                    f" {pool.num_pages} (raise num_pages)"
+                )
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize()
+        with self._cond:
+            return sum(j.state < JobState.COMPUTING for j in self._jobs.values())
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens waiting (what a router balances on)."""
+        with self._cond:
+            return sum(
+                len(j.req.prompt_ids) for j in self._jobs.values() if j.state < JobState.DONE
+            )
 
     @property
     def pages_in_use(self) -> int:
@@ -101,8 +165,12 @@ class PrefillWorker:
 
     def stats(self) -> dict:
         snap = self.sender.stats()
-        snap.update(self.counters)
+        sender_errors = snap.get("loop_errors", 0)
+        with self._cond:
+            snap.update(self.counters)
+        snap["loop_errors"] += sender_errors
         snap["waiting"] = self.queued
+        snap["queued_tokens"] = self.queued_tokens
         snap["pages_in_use"] = self.pages_in_use
         snap["num_pages"] = sum(p.num_pages for _, p in self._pools())
         return snap
@@ -111,50 +179,131 @@ class PrefillWorker:
         return self.sender.stats_for(room)
 
     def close(self) -> None:
-        self._queue.put(None)
+        """Stop the compute thread; every request not yet answered gets a final error."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
         self._thread.join(timeout=10)
+        for room in list(self._jobs):
+            self.sender.abort(room, "prefill instance shutting down")
+            self._done(room, PrefillResult(room, error="prefill instance shutting down"))
         self.sender.close()
+
+    # ---- control thread callbacks --------------------------------------------------------------
+    def _registered(self, room: int) -> None:
+        with self._cond:
+            job = self._jobs.get(room)
+            if job is not None and job.state == JobState.WAITING:
+                job.state = JobState.READY
+                self._ready.append(room)
+                self._cond.notify_all()
+
+    def _released(self, room: int, status: RoomStatus) -> None:
+        """The room ended and no write reads its pages: free them; a request that never
+        reached the compute thread ends here."""
+        with self._cond:
+            job = self._jobs.get(room)
+            pages = self._room_pages.pop(room, {})
+            not_started = job is not None and job.state < JobState.COMPUTING
+        self._free(pages)
+        if self.trace.enabled:
+            st = self.sender.stats_for(room)
+            if st is not None:
+                self.trace.write(
+                    {"stage": "prefill-transfer", "room": room, "groups": st["groups"]}
+                )
+        if not_started:
+            reason = self.sender.failure_reason(room) or status.name
+            self._done(room, PrefillResult(room, error=f"prefill did not run: {reason}"))
+
+    def _done(self, room: int, res: PrefillResult) -> None:
+        with self._cond:
+            job = self._jobs.pop(room, None)
+            if job is None or job.state == JobState.DONE:
+                return
+            job.state = JobState.DONE
+        if job.on_done is not None:
+            try:
+                job.on_done(res)
+            except Exception:
+                log.exception("%s: room %d: on_done failed", self.name, room)
 
     # ---- compute thread ----------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            req, on_done = item
-            res = self.prefill_one(req)  # never raises: errors are in the result
-            if on_done is not None:
-                try:
-                    on_done(res)
-                except Exception:
-                    log.exception("%s: room %d: on_done failed", self.name, req.room)
+            with self._cond:
+                while not self._ready and not self._stop:
+                    self._cond.wait(0.5)
+                if self._stop:
+                    return
+                room = self._ready.popleft()
+                job = self._jobs.get(room)
+                if job is None or job.state != JobState.READY:
+                    continue
+                job.state = JobState.COMPUTING
+            try:
+                res = self._compute_job(job)
+            except Exception as e:  # never kills the thread
+                self.counters["loop_errors"] += 1
+                log.exception("%s: room %d: unexpected error", self.name, room)
+                res = PrefillResult(room, error=f"prefill failed: internal error ({e})")
+            self._done(room, res)
+
+    def _compute_job(self, job: _Job) -> PrefillResult:
+        req = job.req
+        res = PrefillResult(req.room)
+        res.timing["start"] = time.time()
+        try:
+            if not self.sender.is_live(req.room):
+                raise RoomGone("the room ended before prefill started it")
+            pages = self._alloc_pages(len(req.prompt_ids))
+            with self._cond:
+                self._room_pages[req.room] = pages  # freed by _released, exactly once
+            try:
+                self.sender.start_room(req.room, pages)
+            except Exception:  # whoever pops the entry frees the pages: exactly once
+                with self._cond:
+                    self._free(self._room_pages.pop(req.room, {}))
+                raise
+            res.first_token = self._compute(req, pages, None, res.timing)
+            self.sender.finish(req.room, res.first_token)
+        except Exception as e:
+            self._failed(res, e)
+        self._trace(res)
+        return res
 
     def prefill_one(self, req: StageRequest, groups: Groups | None = None) -> PrefillResult:
-        """Prefill one request on the calling thread (the compute thread, or a test's).
-        ``groups`` overrides the layer-group policy (benchmarks sweep it)."""
+        """Prefill one request NOW on the calling thread, without waiting for decode's
+        registration (tests and benchmarks; serving uses :meth:`submit`). ``groups``
+        overrides the layer-group policy."""
         res = PrefillResult(req.room)
         res.timing["start"] = time.time()
         self.counters["requests"] += 1
         pages: dict[str, list[int]] = {}
-        started = False
         try:
-            if not req.prompt_ids:
-                raise ValueError("prompt is empty")
-            for role, pool in self._pools():
-                n = pool.pages_needed(len(req.prompt_ids))
-                pages[role] = self._alloc(pool, n, self.params.transfer_timeout_s)
-            self.sender.start_room(req.room, pages, self._releaser(pages))
+            self.check(req)
+            pages = self._alloc_pages(len(req.prompt_ids))
+            self.sender.start_room(req.room, pages, lambda room, st: self._free(pages))
             started = True
-            res.first_token = self._compute(req, pages, groups, res.timing)
-            self.sender.finish(req.room, res.first_token)
-        except Exception as e:  # one request fails, the stage keeps serving
-            self.counters["failed"] += 1
-            res.error = f"prefill failed: {e}"
-            log.warning("%s: room %d: %s", self.name, req.room, res.error)
-            self._fail_room(req.room, pages, started, str(e))
-        self.trace.write({"stage": "prefill", "worker": self.name, "room": req.room,
-                          "error": res.error, **res.timing})  # fmt: skip
+        except Exception as e:
+            self._free(pages)
+            started = False
+            self._failed(res, e)
+        if started:
+            try:
+                res.first_token = self._compute(req, pages, groups, res.timing)
+                self.sender.finish(req.room, res.first_token)
+            except Exception as e:
+                self._failed(res, e)
+        self._trace(res)
         return res
+
+    def _failed(self, res: PrefillResult, e: Exception) -> None:
+        self.counters["failed"] += 1
+        res.error = f"prefill failed: {e}"
+        log.warning("%s: room %d: %s", self.name, res.room, res.error)
+        if not isinstance(e, (KeyError, RoomGone)):  # a room id in use is not ours to end
+            self.sender.abort(res.room, str(e))  # the release callback frees the pages
 
     def _compute(self, req: StageRequest, pages: dict, groups: Groups | None, t: dict) -> int:
         """Target layer groups (each handed to the sender as it is done), first token, draft."""
@@ -164,6 +313,8 @@ class PrefillWorker:
         def on_group(a: int, b: int) -> None:  # layers [a, b) are launched: fence, hand over
             t["groups"].append([a, b, time.time()])
             self.sender.send_group(req.room, "target", range(a, b), self.record_fence())
+            if b < self.runner.config.num_layers and not self.sender.is_live(req.room):
+                raise RoomGone("the room ended while prefill computed it")
 
         logits = self.runner.prefill(
             self.pool, req.prompt_ids, pages["target"], groups=groups, on_group=on_group
@@ -181,14 +332,9 @@ class PrefillWorker:
             t["draft_computed"] = time.time()
         return first
 
-    def _fail_room(self, room: int, pages: dict, started: bool, reason: str) -> None:
-        if not started:
-            self._free(pages)
-            try:  # take the room (no pages) so decode's registration gets the Fail
-                self.sender.start_room(room, {"target": []}, lambda room, st: None)
-            except Exception:
-                log.exception("%s: room %d: could not fail the room", self.name, room)
-        self.sender.abort(room, reason)  # the release callback frees the pages
+    def _trace(self, res: PrefillResult) -> None:
+        self.trace.write({"stage": "prefill", "worker": self.name, "room": res.room,
+                          "error": res.error, **res.timing})  # fmt: skip
 
     # ---- pages -------------------------------------------------------------------------------
     def _pools(self) -> list[tuple[str, KVPool]]:
@@ -197,36 +343,25 @@ class PrefillWorker:
             pools.append((DRAFT, self.draft_pool))
         return pools
 
-    def _alloc(self, pool: KVPool, n: int, timeout: float) -> list[int]:
-        """Pages of finished rooms come back asynchronously (after their last write): wait."""
-        what = pool.layout.role
-        if n > pool.num_pages:
-            raise ValueError(
-                f"prompt needs {n} {what} KV pages but the prefill {what} pool has"
-                f" {pool.num_pages} (raise num_pages)"
-            )
-        end = time.monotonic() + timeout
-        with self._freed:
-            while pool.num_free < n:
-                left = end - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"no {n} free prefill {what} KV pages within {timeout:g}s")
-                self._freed.wait(min(left, 0.5))
-            return pool.alloc(n)
+    def _alloc_pages(self, num_tokens: int) -> dict[str, list[int]]:
+        """Pages of every pool for the prompt. Pages of finished rooms come back after their
+        last write (release callback): wait for them, at most ``transfer_timeout_s``."""
+        end = time.monotonic() + self.params.transfer_timeout_s
+        pages: dict[str, list[int]] = {}
+        try:
+            for role, pool in self._pools():
+                n = pool.pages_needed(num_tokens)
+                while pool.num_free < n:
+                    if time.monotonic() > end:
+                        raise TimeoutError(f"no {n} free prefill {role} KV pages in time")
+                    time.sleep(0.005)
+                pages[role] = pool.alloc(n)
+        except Exception:
+            self._free(pages)
+            raise
+        return pages
 
     def _free(self, pages: dict[str, list[int]]) -> None:
         for role, pool in self._pools():
-            pool.free(pages.get(role, []))
-
-    def _releaser(self, pages: dict[str, list[int]]):
-        def on_release(room, status) -> None:  # control thread: be quick
-            self._free(pages)
-            with self._freed:
-                self._freed.notify_all()
-            st = self.sender.stats_for(room) if self.trace.enabled else None
-            if st is not None:
-                self.trace.write(
-                    {"stage": "prefill-transfer", "room": room, "groups": st["groups"]}
-                )
-
-        return on_release
+            if pages.get(role):
+                pool.free(pages[role])

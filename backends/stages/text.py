@@ -111,7 +111,7 @@ class Postprocessor:
 
     def __init__(self, params: StageParams, tokenizer: Tokenizer | None = None):
         self.tok = tokenizer or Tokenizer(params.model_path)
-        self.cancels = CancelSender(params.shared_secret.encode() or None)
+        self.cancels = CancelSender(params.secret.encode() or None)
 
     def text(self, prefix_ids: list[int], new_ids: list[int]) -> str:
         return text_delta(self.tok, prefix_ids, new_ids)

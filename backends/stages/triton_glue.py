@@ -12,9 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import numpy as np
 
+from . import errors
 from . import request as rq
 from .metrics import FAILURES, METRICS
 from .params import StageParams, from_triton_config
@@ -23,8 +25,19 @@ log = logging.getLogger(__name__)
 
 
 def setup_env() -> None:
+    """Environment of a stage process, and its watchdog: it exits when its tritonserver is
+    gone (a stage process left behind would hold its memory and ports forever)."""
     os.environ.setdefault("GLOG_minloglevel", "2")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        log.error("tritonserver (pid %d) is gone: this stage process exits", parent)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def stage_params(pb, args: dict, stage: str) -> StageParams:
@@ -88,10 +101,20 @@ def out_int64(pb, name: str, v: int):
     return pb.Tensor(name, np.array([v], dtype=np.int64))
 
 
-def error_response(pb, message: str, invalid: bool = False):
-    """An error for one request; ``invalid``: the request itself is bad (HTTP 400)."""
-    code = pb.TritonError.INVALID_ARG if invalid else pb.TritonError.INTERNAL
+def error_response(pb, message: str, kind: str = errors.INTERNAL):
+    """An error for one request, with the code its kind maps to (backends/stages/errors.py):
+    invalid -> INVALID_ARG (HTTP 400), overloaded -> UNAVAILABLE (gRPC UNAVAILABLE, HTTP 503),
+    else INTERNAL."""
+    code = {
+        errors.INVALID: pb.TritonError.INVALID_ARG,
+        errors.OVERLOADED: pb.TritonError.UNAVAILABLE,
+    }.get(kind, pb.TritonError.INTERNAL)
     return pb.InferenceResponse(output_tensors=[], error=pb.TritonError(message, code))
+
+
+def exception_response(pb, where: str, exc: BaseException):
+    """The error response for an exception a stage core raised for one request."""
+    return error_response(pb, f"{where}: {exc}", errors.kind_of(exc))
 
 
 class StageMetrics:
@@ -135,12 +158,14 @@ class StageMetrics:
                 self.fail_metrics[reason][1] = n
 
     def _run(self) -> None:
+        failures = 0
         while not self._stop.wait(self.interval):
             try:
                 self.update()
-            except Exception:
-                log.exception("metrics update failed")
-                return
+            except Exception:  # never ends the thread: log the first few, then rarely
+                failures += 1
+                if failures <= 3 or failures % 1000 == 0:
+                    log.exception("metrics update failed (%d so far)", failures)
 
     def close(self) -> None:
         self._stop.set()

@@ -212,7 +212,8 @@ class Peer:
         if watch:
             args = (room, watch, watch_pages or {})
             threading.Thread(target=self._watch, args=args, daemon=True).start()
-        self.kv.register(room, addrs, self.pages[room], num_tokens, self._on_release)
+        prompt = {role: self.pages[room][role][:n] for role, n in self.expect_pages[room].items()}
+        self.kv.register(room, addrs, prompt, num_tokens, self._on_release)
 
     def _watch(self, room: int, groups: list, npages: dict) -> None:
         out = self.landed.setdefault(room, [])

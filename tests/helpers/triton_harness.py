@@ -39,6 +39,12 @@ class Server:
     trace_dir: str
     log: str
 
+    @property
+    def pid(self) -> int:
+        """tritonserver's pid (it leads the process group of the whole server)."""
+        with open(self.log[: -len(".log")] + ".pid") as f:
+            return int(f.read())
+
 
 def launch(
     tmp, sets: list[str], instances: list[str] = (), repo_args: list[str] = ()

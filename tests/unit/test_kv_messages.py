@@ -5,6 +5,8 @@ import hmac
 import pathlib
 import random
 import re
+import struct
+import time
 
 import msgspec
 import pytest
@@ -26,6 +28,7 @@ SAMPLES = [
     m.Abort(7, "client cancelled"),
     m.Ping(3),
     m.Pong(3),
+    m.Cancel(7),
 ]
 
 
@@ -55,7 +58,7 @@ def test_every_truncation_is_rejected(secret):
 def test_unknown_version():
     enc = msgspec.msgpack.Encoder()
     payload = enc.encode(m.Ping(1))
-    frame = enc.encode(m.Envelope(m.PROTOCOL_VERSION + 1, payload, None))
+    frame = enc.encode(m.Envelope(m.PROTOCOL_VERSION + 1, 0.0, payload, None))
     with pytest.raises(m.MessageError) as e:
         m.decode(frame)
     assert e.value.kind == "version"
@@ -73,11 +76,38 @@ def test_hmac_required_and_checked():
     enc = msgspec.msgpack.Encoder()
     good = m.encode(msg, SECRET)
     env = msgspec.msgpack.decode(good, type=m.Envelope)
-    evil = enc.encode(m.Envelope(env.v, enc.encode(m.Abort(2, "x")), env.mac))
+    evil = enc.encode(m.Envelope(env.v, env.t, enc.encode(m.Abort(2, "x")), env.mac))
     with pytest.raises(m.MessageError):
         m.decode(evil, SECRET)
-    mac = hmac.new(SECRET, env.p, hashlib.sha256).digest()
-    assert m.decode(enc.encode(m.Envelope(env.v, env.p, mac)), SECRET) == msg
+    # the MAC covers the version and the send time too: neither can be moved
+    for v, t in ((env.v + 1, env.t), (env.v, env.t + 1.0)):
+        with pytest.raises(m.MessageError):
+            m.decode(enc.encode(m.Envelope(v, t, env.p, env.mac)), SECRET)
+    head = struct.pack(">Hd", env.v, env.t)
+    mac = hmac.new(SECRET, head + env.p, hashlib.sha256).digest()
+    assert m.decode(enc.encode(m.Envelope(env.v, env.t, env.p, mac)), SECRET) == msg
+
+
+def test_verifier_drops_stale_and_replayed_frames():
+    v = m.Verifier(SECRET, max_age_s=30)
+    now = time.time()
+    fresh = m.encode(m.Abort(1, "x"), SECRET, now=now)
+    assert v.decode(fresh, now=now) == m.Abort(1, "x")
+    with pytest.raises(m.MessageError) as e:
+        v.decode(fresh, now=now + 1)  # the same frame again: a replay
+    assert e.value.kind == "replay"
+    old = m.encode(m.Abort(2, "x"), SECRET, now=now - 31)
+    with pytest.raises(m.MessageError) as e:
+        v.decode(old, now=now)
+    assert e.value.kind == "stale"
+    future = m.encode(m.Abort(3, "x"), SECRET, now=now + 31)
+    with pytest.raises(m.MessageError) as e:
+        v.decode(future, now=now)
+    assert e.value.kind == "stale"
+    # two legitimate messages with equal payloads differ by their send time
+    a, b = (m.encode(m.Ping(5), SECRET, now=now + d) for d in (0.001, 0.002))
+    assert v.decode(a, now=now) == v.decode(b, now=now) == m.Ping(5)
+    assert m.Verifier(None).decode(m.encode(m.Ping(1)), now=now + 1e6) == m.Ping(1)  # no secret
 
 
 def test_wrong_field_types_and_unknown_tags_are_garbage():
@@ -88,7 +118,7 @@ def test_wrong_field_types_and_unknown_tags_are_garbage():
         [1, 2],
         {"type": "complete", "room": 1, "first_token": 2, "extra": {"k": {"x": 1}}},
     ):
-        frame = enc.encode(m.Envelope(m.PROTOCOL_VERSION, enc.encode(payload), None))
+        frame = enc.encode(m.Envelope(m.PROTOCOL_VERSION, 0.0, enc.encode(payload), None))
         with pytest.raises(m.MessageError) as e:
             m.decode(frame)
         assert e.value.kind == "garbage"

@@ -2,6 +2,10 @@
 
 Decoupled: ``execute`` only parses and submits; the worker's loop thread answers through each
 request's response sender (one response per step when streaming, one at the end otherwise).
+While a request has nothing to send it gets a heartbeat response (``FLAGS`` = 1, no tokens)
+every 0.25 s: Triton ensembles cancel only the steps they schedule after a client cancel, so
+each heartbeat gives postprocess a new step that sees the cancel and tells decode (postprocess
+answers a heartbeat with no response, so the client never sees one).
 """
 
 # ruff: noqa: E402
@@ -23,7 +27,7 @@ FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 def _emitter(sender, room: int, cancel_addr: str):
     def emit(ev: DecodeEvent) -> None:
         if ev.error:
-            sender.send(g.error_response(pb, ev.error), flags=FINAL)
+            sender.send(g.error_response(pb, ev.error, ev.error_kind), flags=FINAL)
             return
         if ev.finish_reason == "cancelled":
             sender.send(flags=FINAL)
@@ -33,6 +37,7 @@ def _emitter(sender, room: int, cancel_addr: str):
             g.out_ids(pb, "PREFIX_IDS", ev.prefix_ids),
             g.out_int64(pb, "ROOM", room),
             g.out_text(pb, "CANCEL_ADDR", cancel_addr),
+            g.out_ids(pb, "FLAGS", [int(ev.heartbeat)]),
         ]
         sender.send(pb.InferenceResponse(output_tensors=outs), flags=FINAL if ev.final else 0)
 
@@ -52,9 +57,8 @@ class TritonPythonModel:
                 req = g.stage_request(pb, request)
                 emit = _emitter(sender, req.room, self.worker.cancel_addr)
                 self.worker.submit(req, emit, sender.is_cancelled)
-            except (ValueError, TypeError) as e:
-                error = g.error_response(pb, f"decode: invalid request: {e}", True)
-                sender.send(error, flags=FINAL)
+            except Exception as e:  # invalid (400), overloaded (503) or internal: this one only
+                sender.send(g.exception_response(pb, "decode", e), flags=FINAL)
         return None
 
     def finalize(self):

@@ -1,9 +1,10 @@
 """Triton adapter of the prefill stage (core: backends.stages.prefill.PrefillWorker).
 
-Decoupled: each request is answered at once with the request carrying this instance's bootstrap
-address (the ensemble starts decode from that answer), then submitted to the worker's compute
-thread, which closes the request (final flag, no second response) when its KV has been handed to
-the sender. Errors reach the client through decode (the room fails there).
+Decoupled: each request is queued with the worker (which computes it once decode registered its
+pages) and answered at once with the request carrying this instance's bootstrap address (the
+ensemble starts decode from that answer); the request closes (final flag, no second response)
+when the worker is done with it. A request the worker refuses (invalid, or overloaded: its queue
+is full) gets that error at once. Errors after the answer reach the client through decode.
 """
 
 # ruff: noqa: E402
@@ -36,12 +37,11 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 req = g.stage_request(pb, request).with_bootstrap(self.worker.bootstrap_addr)
-            except ValueError as e:
-                error = g.error_response(pb, f"prefill: invalid request: {e}", True)
-                sender.send(error, flags=FINAL)
+                self.worker.submit(req, lambda _result, s=sender: s.send(flags=FINAL))
+            except Exception as e:  # invalid (400), overloaded (503) or internal: this one only
+                sender.send(g.exception_response(pb, "prefill", e), flags=FINAL)
                 continue
             sender.send(pb.InferenceResponse(output_tensors=[g.request_tensor(pb, req)]))
-            self.worker.submit(req, lambda _result, s=sender: s.send(flags=FINAL))
         return None
 
     def finalize(self):

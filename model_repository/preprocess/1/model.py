@@ -25,6 +25,6 @@ class TritonPythonModel:
             try:
                 req = self.pre.build(g.inputs(pb, request))
                 responses.append(pb.InferenceResponse(output_tensors=[g.request_tensor(pb, req)]))
-            except (ValueError, TypeError) as e:
-                responses.append(g.error_response(pb, f"invalid request: {e}", invalid=True))
+            except Exception as e:
+                responses.append(g.exception_response(pb, "invalid request", e))
         return responses

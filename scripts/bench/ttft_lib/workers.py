@@ -144,7 +144,9 @@ def _decode_register(state: dict, arg: dict) -> dict:
     worker, done, cond = state["worker"], {}, threading.Condition()
 
     def emitter(room: int):
-        def emit(ev) -> None:
+        def emit(ev) -> None:  # heartbeats (no tokens) are not the answer: wait for the final
+            if not ev.final:
+                return
             with cond:
                 done[room] = (time.time(), ev)
                 cond.notify_all()

@@ -1,0 +1,164 @@
+"""Prefill's checks of decode's Register: nothing a hostile or broken peer sends may make this
+sender write outside the pages that peer really holds, or hurt another peer's rooms.
+
+A Register is accepted only when, for every entry:
+
+* the entry exists here and its layout signature matches (same checks as the handshake);
+* decode's pool is well formed (``num_pages >= 1``, ``base_addr`` set) and every page id is in
+  ``[0, num_pages)``, with no repeats;
+* it lists exactly the pages the prompt needs (``ceil(num_tokens / page_size)``), and
+  ``num_tokens`` is the prompt length this prefill expects for the room;
+
+and for the peer (:class:`PeerBook`):
+
+* the Mooncake session it names is on the host the Register came from (zmq ``Peer-Address``),
+  so a peer cannot point this sender's writes at another host;
+* a session belongs to one control connection, and keeps the pool addresses (per entry) its
+  first Register declared: a second connection naming the same session is refused.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+from . import messages as m
+from .layout import EntryLayout, check_compatible
+
+
+class RegistrationError(ValueError):
+    """The Register cannot be served; the message names the first problem."""
+
+
+def check_entries(
+    reg: m.Register,
+    layouts: dict[str, EntryLayout],
+    num_tokens: int | None = None,
+    required: list[str] | None = None,
+) -> dict[str, EntryLayout]:
+    """decode's layout of every entry (with its pool address), or RegistrationError.
+    ``required``: the entries the room has pages in (None: not checked yet)."""
+    if num_tokens is not None and reg.num_tokens != num_tokens:
+        raise RegistrationError(f"num_tokens {reg.num_tokens} but the prompt has {num_tokens}")
+    if reg.num_tokens < 1:
+        raise RegistrationError(f"num_tokens must be >= 1, got {reg.num_tokens}")
+    dst: dict[str, EntryLayout] = {}
+    for entry in reg.entries:
+        local = layouts.get(entry.role)
+        if local is None:
+            raise RegistrationError(
+                f"incompatible layout: decode registered entry {entry.role!r} that prefill does"
+                " not have"
+            )
+        if entry.role in dst:
+            raise RegistrationError(f"entry {entry.role!r} registered twice")
+        err = check_compatible(local, entry.signature)
+        if err:
+            raise RegistrationError(f"incompatible layout: {err}")
+        try:
+            lay = EntryLayout(
+                **entry.signature, num_pages=entry.num_pages, base_addr=entry.base_addr
+            )
+        except (TypeError, ValueError) as e:
+            raise RegistrationError(f"entry {entry.role}: bad layout ({e})") from None
+        if entry.base_addr <= 0:
+            raise RegistrationError(f"entry {entry.role}: no pool address")
+        _check_pages(entry, lay.page_size, reg.num_tokens)
+        dst[entry.role] = lay
+    missing = [role for role in required or () if role not in dst]
+    if missing:
+        raise RegistrationError(
+            f"incompatible layout: decode did not register entry {missing[0]!r}"
+        )
+    return dst
+
+
+def _check_pages(entry: m.EntrySpec, page_size: int, num_tokens: int) -> None:
+    need = -(-num_tokens // page_size)
+    if len(entry.pages) != need:
+        raise RegistrationError(
+            f"entry {entry.role}: {len(entry.pages)} pages for {num_tokens} tokens (need {need})"
+        )
+    bad = [p for p in entry.pages if not 0 <= p < entry.num_pages]
+    if bad:
+        raise RegistrationError(
+            f"entry {entry.role}: page ids {bad[:4]} outside [0, {entry.num_pages})"
+        )
+    if len(set(entry.pages)) != len(entry.pages):
+        raise RegistrationError(f"entry {entry.role}: repeated page ids")
+
+
+def session_host(session_id: str) -> str:
+    host, sep, port = session_id.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RegistrationError(f"session {session_id!r} is not host:port")
+    return host.strip("[]")
+
+
+@dataclass
+class _Peer:
+    session: str | None = None
+    pools: dict[str, tuple[int, int]] = field(default_factory=dict)  # role -> (base, num_pages)
+    pending: int = 0  # unclaimed registrations
+
+
+class PeerBook:
+    """What each decode connection (zmq identity) declared: its session and pool addresses."""
+
+    def __init__(self, max_pending_per_peer: int):
+        self.max_pending = max_pending_per_peer
+        self._peers: dict[bytes, _Peer] = {}
+        self._owner: dict[str, bytes] = {}  # session -> the identity that declared it
+
+    def check(self, ident: bytes, peer_address: str | None, reg: m.Register) -> None:
+        """RegistrationError unless ``reg`` is consistent with what ``ident`` declared before;
+        binds the session and pool addresses on the first Register of a connection."""
+        host = session_host(reg.session_id)
+        if peer_address and _is_ip(host) and ipaddress.ip_address(host) != _ip(peer_address):
+            raise RegistrationError(
+                f"session {reg.session_id} is not on the registering host {peer_address}"
+            )
+        owner = self._owner.get(reg.session_id)
+        if owner is not None and owner != ident:
+            raise RegistrationError(f"session {reg.session_id} belongs to another connection")
+        peer = self._peers.setdefault(ident, _Peer())
+        if peer.session not in (None, reg.session_id):
+            raise RegistrationError(f"this connection declared session {peer.session} before")
+        for e in reg.entries:
+            known = peer.pools.get(e.role)
+            if known is not None and known != (e.base_addr, e.num_pages):
+                raise RegistrationError(f"entry {e.role}: pool address or size changed")
+        peer.session = reg.session_id
+        self._owner[reg.session_id] = ident
+        for e in reg.entries:
+            peer.pools.setdefault(e.role, (e.base_addr, e.num_pages))
+
+    def add_pending(self, ident: bytes) -> bool:
+        """Count one unclaimed registration of ``ident``; False when it is over its cap."""
+        peer = self._peers.setdefault(ident, _Peer())
+        if peer.pending >= self.max_pending:
+            return False
+        peer.pending += 1
+        return True
+
+    def remove_pending(self, ident: bytes) -> None:
+        peer = self._peers.get(ident)
+        if peer is not None and peer.pending > 0:
+            peer.pending -= 1
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def _ip(addr: str):
+    try:
+        ip = ipaddress.ip_address(addr.strip("[]"))
+    except ValueError:
+        return None
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1 on a dual-stack socket
+    return mapped or ip
