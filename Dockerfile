@@ -6,7 +6,9 @@
 #   docker run --gpus all --shm-size 2g -p 8000:8000 -p 8001:8001 -p 8002:8002 pd-triton
 # The stages' device is `auto`: with GPUs visible they run on cuda:0 out of the box; place them
 # on separate GPUs with e.g. `... pd-triton bash scripts/serve.sh --foreground --prefill-gpus 0
-# --decode-gpus 1`. scripts/gpu_check.sh runs the CUDA checks inside the image.
+# --decode-gpus 1`. scripts/gpu_check.sh runs the CUDA checks inside the image. Triton's ports
+# listen on all of the container's interfaces (--host 0.0.0.0: published with -p); the stages'
+# KV control and data planes stay on the container's loopback.
 FROM nvcr.io/nvidia/tritonserver:24.10-py3
 
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -22,4 +24,4 @@ COPY . .
 RUN bash scripts/setup.sh
 
 EXPOSE 8000 8001 8002
-CMD ["bash", "scripts/serve.sh", "--foreground"]
+CMD ["bash", "scripts/serve.sh", "--foreground", "--host", "0.0.0.0"]

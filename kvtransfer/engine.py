@@ -94,12 +94,14 @@ class _Job:
     """One submit(): its batches, and whether all were handed to Mooncake yet."""
 
     __slots__ = (
-        "session", "transfers", "callback", "fence", "pending", "ok", "submitted", "reported"
+        "session", "transfers", "callback", "fence", "alive", "pending", "ok", "submitted",
+        "reported",
     )  # fmt: skip
 
-    def __init__(self, session, transfers: list[Transfer], callback: DoneCallback, fence):
+    def __init__(self, session, transfers: list[Transfer], callback: DoneCallback, fence, alive):
         self.session, self.transfers, self.callback = session, transfers, callback
         self.fence: Fence | None = fence
+        self.alive: Callable[[], bool] | None = alive
         self.pending = 0  # batches submitted and not yet reaped
         self.ok = True
         self.submitted = False  # no more batches of this job will be submitted
@@ -187,6 +189,15 @@ class Engine:
             raise EngineError(f"Mooncake register_memory({addr:#x}, {length}) returned {rc}")
         self._regions[addr] = length
 
+    def read_sync(self, session: str, local_addr: int, remote_addr: int, length: int) -> bool:
+        """Blocking read of ``length`` bytes from a peer's registered memory (small reads off
+        the control thread: the session-ownership proof)."""
+        try:
+            return self._te.transfer_sync_read(session, local_addr, remote_addr, length) == 0
+        except Exception as e:
+            log.warning("read from %s raised %s: %s", session, type(e).__name__, e)
+            return False
+
     # ---- transfers ---------------------------------------------------------------------------
     def submit(
         self,
@@ -194,12 +205,14 @@ class Engine:
         transfers: list[Transfer],
         callback: DoneCallback,
         fence: Fence | None = None,
+        alive: Callable[[], bool] | None = None,
     ) -> None:
         """Queue writes; ``callback(ok)`` runs once, on a worker thread, when all have ended.
-        No batch is handed to Mooncake before ``fence`` (if any) reports completion."""
+        No batch is handed to Mooncake before ``fence`` (if any) reports completion; a job
+        whose ``alive()`` is False by then (its room ended) is reported failed, unsent."""
         if self._closed:
             raise EngineError("engine is closed")
-        self._queue.put(_Job(session, transfers, callback, fence))
+        self._queue.put(_Job(session, transfers, callback, fence, alive))
 
     def _work(self) -> None:
         """A transfer worker: never dies while the engine is open (errors are counted)."""
@@ -239,6 +252,8 @@ class Engine:
     def _submit_job(self, job: _Job, inflight: deque[_Batch], load: int) -> int:
         """Hand a job's chunks to Mooncake (waiting for room in flight); returns the new load."""
         step = self.config.max_batch_entries
+        if job.alive is not None and job.ok and not job.alive():
+            job.ok = False  # its room ended while it waited: nothing of it goes out
         for i in range(0, len(job.transfers), step):
             chunk = job.transfers[i : i + step]
             while inflight and load + len(chunk) > self._per_worker:

@@ -14,7 +14,8 @@ Version history:
       frame format of version 1 deployments is gone.
   3 — the envelope carries its send time ``t``, covered by the MAC with the version, so a signed
       frame cannot be replayed outside the window or moved to another protocol version;
-      Register lists exactly the prompt's pages of each entry.
+      Register lists exactly the prompt's pages of each entry and carries a proof that its
+      sender owns the Mooncake session it names (``proof`` / ``proof_addr``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     session_id: str  # decode's Mooncake session "host:rpc_port"
     entries: list[EntrySpec]
     num_tokens: int
+    # proof that the sender owns session S: ``proof`` is also in S's memory at ``proof_addr``,
+    # where prefill reads it (once per connection) before it writes anything there
+    proof_addr: int = 0
+    proof: bytes = b""
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):

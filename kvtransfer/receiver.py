@@ -29,6 +29,7 @@ from . import messages as m
 from .config import TransferConfig
 from .control import ControlLoop, ReleaseCallback, TransferFailed
 from .layout import EntryLayout, check_compatible
+from .proof import SessionToken
 from .state import ReceiverRoom, RoomStatus
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class KVReceiver(ControlLoop):
         super().__init__(config)
         self.open_engine(layouts)
         self.session_id = self.engine.session_id
+        self.token = SessionToken(self.engine)  # proves to prefill that we own this session
         self._peers: dict[str, _Peer] = {}
         self._by_sock: dict[zmq.Socket, _Peer] = {}
         self._by_mon: dict[zmq.Socket, _Peer] = {}
@@ -105,7 +107,9 @@ class KVReceiver(ControlLoop):
             entries.append(
                 m.EntrySpec(role, lay.signature(), list(pages), lay.base_addr, lay.num_pages)
             )
-        reg = m.Register(room, self.session_id, entries, int(num_tokens))
+        reg = m.Register(
+            room, self.session_id, entries, int(num_tokens), self.token.addr, self.token.token
+        )
         self.call_sync(self._register, reg, addrs, on_release, on_fail)
 
     def refuse(self, room: int, bootstrap_addrs: list[str], reason: str) -> None:

@@ -13,8 +13,9 @@ and for the peer (:class:`PeerBook`):
 
 * the Mooncake session it names is on the host the Register came from (zmq ``Peer-Address``),
   so a peer cannot point this sender's writes at another host;
-* a session belongs to one control connection, and keeps the pool addresses (per entry) its
-  first Register declared: a second connection naming the same session is refused.
+* the connection proved it owns that session (:mod:`.proof`) before any of its registrations is
+  served; a session then belongs to that one connection, and keeps the pool addresses (per
+  entry) its first Register declared: another connection naming the same session is refused.
 """
 
 from __future__ import annotations
@@ -96,23 +97,31 @@ def session_host(session_id: str) -> str:
 
 
 @dataclass
-class _Peer:
-    session: str | None = None
+class Peer:
+    session: str | None = None  # the session this connection proved it owns
     pools: dict[str, tuple[int, int]] = field(default_factory=dict)  # role -> (base, num_pages)
     pending: int = 0  # unclaimed registrations
+    held: list[m.Register] = field(default_factory=list)  # waiting for the session proof
+    proving: bool = False
+    refused: str = ""  # the proof failed: every registration of this connection is refused
 
 
 class PeerBook:
-    """What each decode connection (zmq identity) declared: its session and pool addresses."""
+    """What each decode connection (zmq identity) proved and declared: session, pool addresses."""
 
     def __init__(self, max_pending_per_peer: int):
         self.max_pending = max_pending_per_peer
-        self._peers: dict[bytes, _Peer] = {}
-        self._owner: dict[str, bytes] = {}  # session -> the identity that declared it
+        self._peers: dict[bytes, Peer] = {}
+        self._owner: dict[str, bytes] = {}  # session -> the identity that proved it
+
+    def peer(self, ident: bytes) -> Peer:
+        return self._peers.setdefault(ident, Peer())
+
+    def known(self, ident: bytes) -> Peer | None:
+        return self._peers.get(ident)
 
     def check(self, ident: bytes, peer_address: str | None, reg: m.Register) -> None:
-        """RegistrationError unless ``reg`` is consistent with what ``ident`` declared before;
-        binds the session and pool addresses on the first Register of a connection."""
+        """RegistrationError unless ``reg`` is consistent with what ``ident`` proved before."""
         host = session_host(reg.session_id)
         if peer_address and _is_ip(host) and ipaddress.ip_address(host) != _ip(peer_address):
             raise RegistrationError(
@@ -121,13 +130,17 @@ class PeerBook:
         owner = self._owner.get(reg.session_id)
         if owner is not None and owner != ident:
             raise RegistrationError(f"session {reg.session_id} belongs to another connection")
-        peer = self._peers.setdefault(ident, _Peer())
+        peer = self.peer(ident)
         if peer.session not in (None, reg.session_id):
-            raise RegistrationError(f"this connection declared session {peer.session} before")
+            raise RegistrationError(f"this connection proved session {peer.session}, not this one")
         for e in reg.entries:
             known = peer.pools.get(e.role)
             if known is not None and known != (e.base_addr, e.num_pages):
                 raise RegistrationError(f"entry {e.role}: pool address or size changed")
+
+    def bind(self, ident: bytes, reg: m.Register) -> None:
+        """``ident`` proved it owns ``reg``'s session: it is that connection's from now on."""
+        peer = self.peer(ident)
         peer.session = reg.session_id
         self._owner[reg.session_id] = ident
         for e in reg.entries:
@@ -135,7 +148,7 @@ class PeerBook:
 
     def add_pending(self, ident: bytes) -> bool:
         """Count one unclaimed registration of ``ident``; False when it is over its cap."""
-        peer = self._peers.setdefault(ident, _Peer())
+        peer = self.peer(ident)
         if peer.pending >= self.max_pending:
             return False
         peer.pending += 1

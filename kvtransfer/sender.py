@@ -30,12 +30,12 @@ from .control import ControlLoop, ReleaseCallback
 from .engine import Fence
 from .faults import Faults
 from .layout import EntryLayout, group_transfers
+from .proof import ProofChecker
 from .registration import PeerBook, RegistrationError, check_entries
+from .sender_inbox import MAX_PENDING_REGISTRATIONS, SenderInbox
 from .state import Claim, RoomStatus, SenderRoom
 
 log = logging.getLogger(__name__)
-
-MAX_PENDING_REGISTRATIONS = 4096
 
 
 def _register_frame_limit(layouts: dict[str, EntryLayout]) -> int:
@@ -43,7 +43,7 @@ def _register_frame_limit(layouts: dict[str, EntryLayout]) -> int:
     return 4096 + sum(512 + 9 * lay.num_pages for lay in layouts.values())
 
 
-class KVSender(ControlLoop):
+class KVSender(SenderInbox, ControlLoop):
     name = "kv-sender"
 
     def __init__(self, config: TransferConfig, layouts: dict[str, EntryLayout]):
@@ -61,6 +61,7 @@ class KVSender(ControlLoop):
             port = self.router.bind_to_random_port(f"tcp://{config.host}")
         self.bootstrap_addr = f"{config.host}:{port}"
         self.peers = PeerBook(config.max_pending_per_peer)
+        self.proofs = ProofChecker(self.engine)
         self._pending: dict[int, tuple[bytes, m.Register, float]] = {}  # unclaimed registrations
         # rooms decode aborted, or whose registration was refused, before the stage took them:
         # room -> the reason the room fails with when it is expected / started
@@ -124,6 +125,10 @@ class KVSender(ControlLoop):
         snap = super().stats()
         snap["pending_registrations"] = len(self._pending)
         return snap
+
+    def close(self) -> None:
+        self.proofs.close()
+        super().close()
 
     # ---- loop thread: the stage's calls --------------------------------------------------------
     def _expect(self, room: int, num_tokens: int, on_registered, on_release) -> None:
@@ -249,7 +254,10 @@ class KVSender(ControlLoop):
         if self.faults.fails(r.room):
             done(False)
             return
-        self.engine.submit(r.claim.reg.session_id, transfers, done, self.faults.delayed(fence))
+        fence, room = self.faults.delayed(fence), r.room
+        self.engine.submit(
+            r.claim.reg.session_id, transfers, done, fence, lambda: self.is_live(room)
+        )
 
     def _group_done(self, room: int, role: str, layers: range, ok: bool) -> None:
         r = self.rooms.get(room)
@@ -296,83 +304,6 @@ class KVSender(ControlLoop):
             self.send(self.router, m.Fail(r.room, r.reason), r.claim.ident)
         self.release(r)
 
-    # ---- loop thread: decode's messages --------------------------------------------------------
-    def on_frames(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
-        if len(frames) != 2:
-            self.drop("garbage", f"{len(frames)} frames")
-            return
-        ident = frames[0].bytes
-        msg = self.decode(frames[1].bytes)
-        if msg is None:
-            return
-        if isinstance(msg, m.Ping):
-            self.send(self.router, m.Pong(msg.seq), ident)
-        elif isinstance(msg, m.Register):
-            self._on_register(ident, _peer_address(frames[1]), msg)
-        elif isinstance(msg, m.Abort):
-            self._on_abort(ident, msg)
-        else:
-            self.drop("unexpected", type(msg).__name__)
-
-    def _on_abort(self, ident: bytes, msg: m.Abort) -> None:
-        pending = self._pending.get(msg.room)
-        if pending is not None and pending[0] == ident:
-            del self._pending[msg.room]
-            self.peers.remove_pending(ident)
-        r = self.rooms.get(msg.room)
-        if r is not None and r.claim is not None and r.claim.ident == ident and not r.status.ended:
-            # decode holds its pages until our Fail says no write is in flight any more
-            self._fail(msg.room, f"aborted by decode: {msg.reason}", True)
-        elif r is not None and r.claim is None and not r.status.ended:
-            self._fail(msg.room, f"aborted by decode: {msg.reason}", False)
-            self.send(self.router, m.Fail(msg.room, f"room not active: {msg.reason}"), ident)
-        elif r is None or r.status.ended and r.released:
-            if r is None and not self.rooms.ended(msg.room):  # the stage has not queued it yet
-                self._end_early(msg.room, f"aborted by decode: {msg.reason}")
-            # nothing of ours writes into that room: decode may reuse its pages now
-            self.send(self.router, m.Fail(msg.room, f"room not active: {msg.reason}"), ident)
-
-    def _on_register(self, ident: bytes, peer_address: str | None, reg: m.Register) -> None:
-        try:
-            self.peers.check(ident, peer_address, reg)
-        except RegistrationError as e:
-            self.drop("hostile", f"room {reg.room}: {e}")
-            self.send(self.router, m.Fail(reg.room, f"registration refused: {e}"), ident)
-            return
-        r = self.rooms.get(reg.room)
-        if r is not None:
-            if r.claim is None and not r.status.ended:
-                self._claim(r, ident, reg)
-            elif r.claim is not None and r.claim.ident != ident:
-                self.drop("conflict", f"room {reg.room} is already registered by another peer")
-            return  # a duplicate of the registration we have: ignore
-        ended = self.rooms.status(reg.room)
-        if ended is not None:  # late registration for a room prefill already gave up
-            if ended[0] == RoomStatus.Failed:
-                self.send(self.router, m.Fail(reg.room, f"room already ended: {ended[1]}"), ident)
-            return
-        self._keep_pending(ident, reg)
-
-    def _keep_pending(self, ident: bytes, reg: m.Register) -> None:
-        have = self._pending.get(reg.room)
-        if have is not None:  # the first registration of a room wins; a repeat is ignored
-            if have[0] != ident:
-                self.drop("conflict", f"room {reg.room} is already registered by another peer")
-            return
-        try:
-            check_entries(reg, self.layouts)  # refuse what can never be served, at once
-        except RegistrationError as e:
-            self._end_early(reg.room, str(e))
-            self.send(self.router, m.Fail(reg.room, str(e)), ident)
-            return
-        if len(self._pending) >= MAX_PENDING_REGISTRATIONS or not self.peers.add_pending(ident):
-            self.drop("flood", f"too many unclaimed registrations; room {reg.room} refused")
-            self.send(
-                self.router, m.Fail(reg.room, "registration refused: too many pending"), ident
-            )
-            return
-        self._pending[reg.room] = (ident, reg, time.monotonic())
-
     def on_tick(self, now: float) -> None:
         ttl = self.config.bootstrap_timeout_s
         for room in [k for k, v in self._pending.items() if now - v[2] > ttl]:
@@ -397,10 +328,3 @@ class KVSender(ControlLoop):
         else:
             why = f"transfer timeout: room not finished {cfg.transfer_timeout_s:g}s after start"
         self._fail(r.room, why, True)
-
-
-def _peer_address(frame: zmq.Frame) -> str | None:
-    try:
-        return frame.get("Peer-Address")
-    except (zmq.ZMQError, AttributeError):
-        return None

@@ -6,7 +6,7 @@
 #                    [--secret-file FILE] [--set [stage.]param=value ...]
 #                    [--draft DIR | --draft-layers K] [--spec-tokens N]
 #                    [--prefill-gpus 0,1] [--decode-gpus 2,3]
-#                    [--foreground] [--log FILE] [--stop] [--stop-timeout 30]
+#                    [--foreground] [--log FILE] [--stop] [--stop-timeout 30] [--no-supervise]
 #
 # tritonserver: the one on PATH (NGC image: /opt/tritonserver/bin), else the binary of the
 # nvidia-pytriton wheel in .venv. Default: start in the background, wait until ready, print the
@@ -22,10 +22,14 @@
 # target's vocabulary), --draft-layers K (self-draft), --spec-tokens N. --prefill-gpus /
 # --decode-gpus LIST place a stage on GPUs (KIND_GPU, one instance per GPU); without them a
 # stage's device is `auto` (its GPU, else cuda:0 when there is one, else the CPU).
+# Models load in explicit model-control mode; the repository, shared-memory, trace and logging
+# APIs need the header `pd-admin-key: $(cat .run/admin-key-PORT)` (a random key per start).
+# scripts/supervise.py runs beside the server and reloads a model whose Python stub died
+# (Triton does not restart one); --no-supervise turns that off.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 HTTP=8000 GRPC=8001 METRICS=8002 FOREGROUND=0 STOP=0 CKPT="" REPO="$ROOT/model_repository"
-HOST=127.0.0.1 SECRET_FILE="" STOP_TIMEOUT="${PD_STOP_TIMEOUT:-30}"
+HOST=127.0.0.1 SECRET_FILE="" STOP_TIMEOUT="${PD_STOP_TIMEOUT:-30}" SUPERVISE=1
 RUN_DIR="${PD_RUN_DIR:-$ROOT/.run}"
 LOG="" TIMEOUT="${PD_SERVE_TIMEOUT:-300}"
 SETS=() PLACE=()
@@ -53,13 +57,15 @@ while [ $# -gt 0 ]; do
     --foreground) FOREGROUND=1; shift ;;
     --stop) STOP=1; shift ;;
     --stop-timeout) STOP_TIMEOUT="$2"; shift 2 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    --no-supervise) SUPERVISE=0; shift ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
 [[ "$STOP_TIMEOUT" =~ ^[0-9]+$ ]] && [ "$STOP_TIMEOUT" -ge 2 ] || die "--stop-timeout needs seconds >= 2"
 mkdir -p "$RUN_DIR"
-PIDFILE="$RUN_DIR/tritonserver-$HTTP.pid"
+PIDFILE="$RUN_DIR/tritonserver-$HTTP.pid" SUPFILE="$RUN_DIR/supervise-$HTTP.pid"
+KEYFILE="$RUN_DIR/admin-key-$HTTP"
 LOG="${LOG:-$RUN_DIR/tritonserver-$HTTP.log}"
 
 # SIGTERM to tritonserver, at most STOP_TIMEOUT s for it to finish, then SIGKILL to whatever is
@@ -75,11 +81,17 @@ stop_server() {
   fi
 }
 
+stop_supervisor() {
+  [ -f "$SUPFILE" ] && kill -TERM "$(cat "$SUPFILE")" 2>/dev/null || true
+  rm -f "$SUPFILE"
+}
+
 if [ "$STOP" = 1 ]; then
   [ -f "$PIDFILE" ] || { echo "no server started by serve.sh on port $HTTP"; exit 0; }
   PID="$(cat "$PIDFILE")"
+  stop_supervisor
   stop_server "$PID"
-  rm -f "$PIDFILE"; echo "stopped tritonserver (pid $PID) and its stage processes"; exit 0
+  rm -f "$PIDFILE" "$KEYFILE"; echo "stopped tritonserver (pid $PID) and its stage processes"; exit 0
 fi
 
 PY="$ROOT/.venv/bin/python"
@@ -111,19 +123,39 @@ export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export GLOG_minloglevel="${GLOG_minloglevel:-2}" TOKENIZERS_PARALLELISM=false MC_FORCE_TCP="${MC_FORCE_TCP:-1}"
 # shellcheck source=scripts/bind_env.sh
 source "$ROOT/scripts/bind_env.sh"
+export PD_RETIRE_DIR="$RUN_DIR/retire"  # the supervisor asks replaced stage processes to exit
+mkdir -p "$PD_RETIRE_DIR"
 EXIT_TIMEOUT=$((STOP_TIMEOUT > 10 ? STOP_TIMEOUT - 5 : STOP_TIMEOUT / 2))
+(umask 077; new_secret >"$KEYFILE")
+RESTRICTED="model-repository,shared-memory,trace,logging:pd-admin-key=$(cat "$KEYFILE")"
 ARGS=(--model-repository "$REPO" --backend-directory "$BACKEND_DIR"
       --http-port "$HTTP" --grpc-port "$GRPC" --metrics-port "$METRICS"
       --http-address "$HOST" --grpc-address "$HOST" --metrics-address "$HOST"
-      --allow-metrics true --log-verbose 0 --exit-on-error true --exit-timeout-secs "$EXIT_TIMEOUT")
+      --allow-metrics true --log-verbose 0 --exit-on-error true --exit-timeout-secs "$EXIT_TIMEOUT"
+      --model-control-mode explicit --load-model '*'
+      --http-restricted-api "$RESTRICTED" --grpc-restricted-protocol "$RESTRICTED")
+
+# the watcher that reloads a model whose stub died; it exits when tritonserver does
+start_supervisor() {
+  [ "$SUPERVISE" = 1 ] || return 0
+  setsid "$PY" "$ROOT/scripts/supervise.py" --url "http://$HOST:$HTTP" --pid "$1" \
+    --key-file "$KEYFILE" --retire-dir "$PD_RETIRE_DIR" >>"$2" 2>&1 </dev/null &
+  echo $! >"$SUPFILE"
+}
 
 if [ "$FOREGROUND" = 1 ]; then
   echo "[serve] $TRITONSERVER (repository $REPO); Ctrl-C stops it"
   setsid "$TRITONSERVER" "${ARGS[@]}" &
   PID=$!
-  trap 'stop_server $PID; exit 0' INT TERM
+  trap 'stop_supervisor; stop_server $PID; exit 0' INT TERM
+  for _ in $(seq 1 "$TIMEOUT"); do
+    curl -sf "http://$HOST:$HTTP/v2/health/ready" >/dev/null 2>&1 && break
+    kill -0 "$PID" 2>/dev/null || break
+    sleep 1
+  done
+  start_supervisor "$PID" /dev/stdout
   wait $PID || true
-  stop_server "$PID"
+  stop_supervisor; stop_server "$PID"
   exit 0
 fi
 
@@ -131,7 +163,8 @@ if [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
   echo "a server started by serve.sh already runs on port $HTTP (pid $(cat "$PIDFILE")); --stop it first" >&2
   exit 1
 fi
-setsid "$TRITONSERVER" "${ARGS[@]}" >"$LOG" 2>&1 </dev/null &
+: >"$LOG"  # both tritonserver and the supervisor append to it
+setsid "$TRITONSERVER" "${ARGS[@]}" >>"$LOG" 2>&1 </dev/null &
 PID=$!
 echo "$PID" >"$PIDFILE"
 printf '[serve] starting tritonserver (pid %s, log %s) ' "$PID" "$LOG"
@@ -142,10 +175,12 @@ for i in $(seq 1 "$TIMEOUT"); do
   fi
   if curl -sf "http://$HOST:$HTTP/v2/health/ready" >/dev/null 2>&1; then
     echo " ready after ${i}s"
+    start_supervisor "$PID" "$LOG"
     echo "[serve] HTTP    http://$HOST:$HTTP  (POST /v2/models/ensemble/generate[_stream])"
     echo "[serve] gRPC    $HOST:$GRPC"
     echo "[serve] metrics http://$HOST:$METRICS/metrics"
     echo "[serve] log     $LOG   stop: scripts/serve.sh --stop --http-port $HTTP"
+    echo "[serve] admin   header pd-admin-key: \$(cat $KEYFILE)  (model load/unload, shm, trace, logging)"
     exit 0
   fi
   [ $((i % 5)) = 0 ] && printf '.'

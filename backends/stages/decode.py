@@ -168,6 +168,10 @@ class DecodeWorker(DecodeControl):
             snap.update(spec_stats(self.engine))
         return snap
 
+    def idle(self) -> bool:
+        """No request held in any phase."""
+        return not self._all()
+
     def close(self) -> None:
         """Every request not yet finished gets a final error; then the threads stop."""
         with self._cond:

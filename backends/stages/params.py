@@ -120,6 +120,12 @@ class StageParams:
         "how long a request may wait in a queue before anything is computed for it; past it it"
         " ends `overloaded, retry later`",
     )
+    reload_generation: int = _p(
+        0,
+        STAGES,
+        "no effect on serving: `scripts/supervise.py` raises it (in a load request's config) to"
+        " make Triton reload a stage whose process died while the old version serves on",
+    )
     trace_dir: str = _p(
         "",
         PD,

@@ -42,6 +42,7 @@ from .request import StageRequest
 from .trace import TraceWriter
 
 log = logging.getLogger(__name__)
+DRAIN_S = 30.0  # at close, how long KV already computed may keep moving to its decode
 
 Groups = list[tuple[int, int]]
 
@@ -145,6 +146,11 @@ class PrefillWorker:
                     f" {pool.num_pages} (raise num_pages)"
                 )
 
+    def idle(self) -> bool:
+        """No request held and no KV still moving."""
+        with self._cond:
+            return not self._jobs and not self._room_pages
+
     @property
     def queued(self) -> int:
         with self._cond:
@@ -178,8 +184,10 @@ class PrefillWorker:
     def room_stats(self, room: int) -> dict | None:
         return self.sender.stats_for(room)
 
-    def close(self) -> None:
-        """Stop the compute thread; every request not yet answered gets a final error."""
+    def close(self, drain_s: float = DRAIN_S) -> None:
+        """Stop the compute thread; every request not yet answered gets a final error. KV
+        already computed keeps moving to its decode for at most ``drain_s`` seconds (a model
+        reload or a server stop does not cut the transfers of requests prefill answered)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
@@ -187,6 +195,15 @@ class PrefillWorker:
         for room in list(self._jobs):
             self.sender.abort(room, "prefill instance shutting down")
             self._done(room, PrefillResult(room, error="prefill instance shutting down"))
+        end = time.monotonic() + drain_s
+        with self._cond:
+            while self._room_pages and time.monotonic() < end:
+                self._cond.wait(0.05)
+            left = len(self._room_pages)
+        if left:
+            log.warning(
+                "%s: %d transfers still in flight after %gs; closing", self.name, left, drain_s
+            )
         self.sender.close()
 
     # ---- control thread callbacks --------------------------------------------------------------
@@ -205,6 +222,7 @@ class PrefillWorker:
             job = self._jobs.get(room)
             pages = self._room_pages.pop(room, {})
             not_started = job is not None and job.state < JobState.COMPUTING
+            self._cond.notify_all()  # close() may be draining
         self._free(pages)
         if self.trace.enabled:
             st = self.sender.stats_for(room)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import threading
 import time
 
@@ -22,6 +23,19 @@ from .metrics import FAILURES, METRICS
 from .params import StageParams, from_triton_config
 
 log = logging.getLogger(__name__)
+RETIRE_LIMIT_S = 900.0  # a retired stage process exits after this even if still busy
+
+
+# Runs beside each stage process: kills it once it is no longer tritonserver's child. Not a
+# thread of the stage: one blocked in a call to the dead server can hold the GIL forever.
+_WATCHDOG = """
+ppid() { read -r _ _ _ pp _ < "/proc/$2/stat" 2>/dev/null && echo "$pp"; }
+while [ "$(ppid "$@")" = "$1" ]; do sleep 1; done
+if [ -d "/proc/$2" ]; then
+  echo "tritonserver (pid $1) is gone: stage process $2 exits" >&2
+  kill -KILL "$2"
+fi
+"""
 
 
 def setup_env() -> None:
@@ -29,15 +43,13 @@ def setup_env() -> None:
     gone (a stage process left behind would hold its memory and ports forever)."""
     os.environ.setdefault("GLOG_minloglevel", "2")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        log.error("tritonserver (pid %d) is gone: this stage process exits", parent)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+    args = [str(os.getppid()), str(os.getpid())]
+    subprocess.Popen(
+        ["sh", "-c", _WATCHDOG, "stage-watchdog", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        close_fds=True,
+    )
 
 
 def stage_params(pb, args: dict, stage: str) -> StageParams:
@@ -170,3 +182,55 @@ class StageMetrics:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+
+
+class Retirement:
+    """Exits this stage process once scripts/supervise.py replaced its model version and the
+    process is idle. Triton never unloads a version one of whose stage processes died holding
+    requests, so its live processes would hold their memory forever; the supervisor asks them
+    to go by creating ``$PD_RETIRE_DIR/<pid>``. ``idle()`` says the stage has no work left; wrap
+    ``execute`` in ``with retirement:`` so a batch in progress is never cut."""
+
+    def __init__(self, name: str, idle=lambda: True, limit_s: float = RETIRE_LIMIT_S):
+        folder = os.environ.get("PD_RETIRE_DIR", "")
+        self.path = os.path.join(folder, str(os.getpid())) if folder else ""
+        self.name, self.idle, self.limit_s = name, idle, limit_s
+        self._busy = 0
+        self._lock = threading.Lock()
+        if self.path:
+            threading.Thread(target=self._run, name="retirement", daemon=True).start()
+
+    def __enter__(self):
+        with self._lock:
+            self._busy += 1
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._busy -= 1
+
+    def _quiet(self) -> bool:
+        with self._lock:
+            return self._busy == 0 and self.idle()
+
+    def _run(self) -> None:
+        while not os.path.exists(self.path):
+            time.sleep(1.0)
+        _say(f"{self.name}: a newer version serves; this process exits once idle")
+        end = time.monotonic() + self.limit_s
+        while time.monotonic() < end:
+            try:
+                if self._quiet():
+                    break
+            except Exception:  # noqa: BLE001 - a broken idle() must not keep the process forever
+                break
+            time.sleep(0.5)
+        _say(f"{self.name}: retired (pid {os.getpid()})")
+        os._exit(0)
+
+
+def _say(msg: str) -> None:
+    """A line on stderr (the server log), not through logging (it may forward to Triton)."""
+    try:
+        os.write(2, (msg + "\n").encode())
+    except OSError:
+        pass

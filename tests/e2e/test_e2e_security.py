@@ -1,9 +1,13 @@
 """Secure by default, checked on a running server: every listener of every process of the
-server is on its configured host, and control messages must carry the per-start secret."""
+server is on its configured host, control messages must carry the per-start secret, and model
+management needs the per-start admin key."""
 
 from __future__ import annotations
 
+import os
 import time
+import urllib.error
+import urllib.request
 
 import proc_net
 import pytest
@@ -63,3 +67,33 @@ def test_control_messages_need_the_per_start_secret(server):
     while metrics(server).get(("pd_dropped_frames_total", "prefill"), 0.0) <= before:
         assert time.time() < deadline, "the unsigned frame was not counted as dropped"
         time.sleep(0.3)
+
+
+def test_model_management_needs_the_per_start_admin_key(server):
+    """Loading/unloading models, shared memory, trace and log settings are behind a random key
+    per start (only the operator's run directory has it); inference stays open."""
+    port = server.http.rsplit(":", 1)[1]
+    with open(os.path.join(os.path.dirname(server.log), f"admin-key-{port}")) as f:
+        key = f.read().strip()
+    for path in ("/v2/repository/index", "/v2/repository/models/prefill/unload"):
+        code, body = _post(server, path, {})
+        assert code == 403 and "restricted" in body, (path, code, body)
+        code, body = _post(server, path, {"pd-admin-key": "not-the-key"})
+        assert code == 403, (path, code, body)
+    code, body = _post(server, "/v2/repository/index", {"pd-admin-key": key})
+    assert code == 200 and '"prefill"' in body, body
+    code, _ = _post(server, "/v2/systemsharedmemory/status", {}, "GET")
+    assert code == 403
+    assert (
+        os.stat(os.path.join(os.path.dirname(server.log), f"admin-key-{port}")).st_mode & 0o077 == 0
+    )
+
+
+def _post(server, path: str, headers: dict, method: str = "POST") -> tuple[int, str]:
+    data = b"" if method == "POST" else None
+    req = urllib.request.Request(f"http://{server.http}{path}", data, headers, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()

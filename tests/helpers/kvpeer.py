@@ -138,8 +138,31 @@ class Peer:
                     h.update(buf[off : off + lay.page_bytes].tobytes())
         return h.hexdigest()
 
+    def session_id(self) -> str:
+        return self.kv.engine.session_id
+
+    def base_addr(self, role: str) -> int:
+        return self.layouts[role].base_addr
+
+    def untouched(self, rooms: list[int]) -> bool:
+        """Every byte of every page outside these rooms' pages is still zero (decode side:
+        no write landed outside a claimed page)."""
+        for role, lay in self.layouts.items():
+            buf = self.host(role)
+            claimed = {p for r in rooms for p in self.history.get(r, {}).get(role, [])}
+            for layer in range(lay.num_layers):
+                for comp in range(lay.components):
+                    for p in set(range(lay.num_pages)) - claimed:
+                        off = lay.page_addr(layer, comp, p) - lay.base_addr
+                        if buf[off : off + lay.page_bytes].any():
+                            return False
+        return True
+
     def page_size(self, role: str) -> int:
         return self.layouts[role].page_size
+
+    def quarantined(self) -> set[int]:
+        return self.kv.quarantined()
 
     def release_at(self, room: int) -> float | None:
         return self.release_time.get(room)

@@ -47,7 +47,7 @@ class Server:
 
 
 def launch(
-    tmp, sets: list[str], instances: list[str] = (), repo_args: list[str] = ()
+    tmp, sets: list[str], instances: list[str] = (), repo_args: list[str] = (), env: dict = None
 ) -> tuple[Server, list[str], dict]:
     """Start scripts/serve.sh on a make_repo copy (``--set`` items, ``--instances`` items, any
     other make_repo arguments such as ``--prefill-gpus 0``) in ``tmp`` on free ports; returns
@@ -62,8 +62,10 @@ def launch(
     ports = [str(free_port()) for _ in range(3)]
     serve = [os.path.join(ROOT, "scripts", "serve.sh"), "--model-repo", str(repo)]
     serve += ["--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]]
-    env = {**os.environ, "PD_RUN_DIR": str(run)}
-    subprocess.run(serve, check=True, env=env, timeout=400)
+    env = {**os.environ, **(env or {}), "PD_RUN_DIR": str(run)}
+    out = subprocess.run(serve, env=env, timeout=400, stdout=subprocess.PIPE, text=True)
+    sys.stderr.write(out.stdout)  # its URLs and log path; stdout stays the caller's
+    out.check_returncode()
     srv = Server(
         f"127.0.0.1:{ports[0]}",
         f"127.0.0.1:{ports[1]}",
@@ -162,7 +164,8 @@ class GrpcStream:
         """(text piece, ids, final, error) of the next response."""
         result, error = self.results.get(timeout=timeout)
         if error is not None:
-            return "", [], True, str(error)
+            status = error.status() if hasattr(error, "status") else None
+            return "", [], True, f"[{status}] {error}" if status else str(error)
         final = result.get_response().parameters.get("triton_final_response")
         final = bool(final and final.bool_param)
         text = result.as_numpy("text_output")

@@ -118,3 +118,56 @@ def test_missing_mooncake_gives_install_hint(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_mooncake)
     with pytest.raises(eng.EngineError, match="pip install mooncake-transfer-engine"):
         eng._load_transfer_engine()
+
+
+class RaisingTE(FakeTE):
+    """Raises like the real binding does for a bad address (TypeError) or a broken peer."""
+
+    def __init__(self, raise_on: str):
+        super().__init__()
+        self.raise_on = raise_on
+
+    def batch_transfer_async_write(self, session, srcs, dsts, lens):
+        if self.raise_on == "submit" and session == "bad:1":
+            raise TypeError("incompatible function arguments")
+        return super().batch_transfer_async_write(session, srcs, dsts, lens)
+
+    def get_batch_transfer_status(self, ids):
+        if self.raise_on == "status" and self.written and self.written[-1].src == 666:
+            del self.open[ids[0]]
+            raise RuntimeError("transport error")
+        return super().get_batch_transfer_status(ids)
+
+
+@pytest.mark.parametrize("raise_on", ["submit", "status"])
+def test_a_raising_mooncake_call_fails_that_job_only(make, raise_on):
+    fake = RaisingTE(raise_on)
+    e = make(fake)
+    done, results = threading.Event(), []
+    bad = [Transfer(666, 1, 8)]
+    session = "bad:1" if raise_on == "submit" else "peer:1"
+    e.submit(session, bad, lambda ok: (results.append(ok), done.set()))
+    assert done.wait(10) and results == [False]
+    assert run(e, [Transfer(1, 1, 8)]) == [True]  # the worker lives on and serves the next job
+    assert e.worker_errors == 0  # handled where it happened, not by a worker restart
+
+
+def test_a_callback_that_raises_does_not_stop_the_worker(make):
+    e = make(FakeTE())
+    e.submit("peer:1", [Transfer(1, 1, 8)], lambda ok: 1 / 0)
+    assert run(e, [Transfer(2, 2, 8)]) == [True]
+
+
+def test_a_job_whose_room_ended_while_queued_sends_nothing(make):
+    fake = FakeTE()
+    e = make(fake)
+    done, results = threading.Event(), []
+    e.submit(
+        "peer:1",
+        [Transfer(7, 7, 8)],
+        lambda ok: (results.append(ok), done.set()),
+        None,
+        lambda: False,
+    )
+    assert done.wait(10) and results == [False]
+    assert fake.written == []  # not one byte of an ended room goes out

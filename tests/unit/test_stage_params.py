@@ -145,3 +145,15 @@ def test_text_delta_pieces_concatenate_to_the_full_text():
     ids = tok.encode("Café 東京 🙂 naïve — “quotes” and emoji 🎉🎉 end.")
     pieces = [text_delta(tok, ids[max(0, i - 8) : i], ids[i : i + 1]) for i in range(len(ids))]
     assert "".join(pieces) == tok.decode(ids)
+
+
+def test_a_non_loopback_bootstrap_host_needs_a_secret_or_an_explicit_opt_out(monkeypatch):
+    monkeypatch.delenv("PD_SHARED_SECRET", raising=False)
+    with pytest.raises(ValueError, match="not a loopback address but no shared secret"):
+        parse_params({"bootstrap_host": "10.1.2.3"})
+    assert parse_params({"bootstrap_host": "127.0.0.1"}).bootstrap_host == "127.0.0.1"
+    assert parse_params({"bootstrap_host": "10.1.2.3", "allow_insecure": "true"}).allow_insecure
+    p = parse_params({"bootstrap_host": "10.1.2.3", "shared_secret": "s" * 16})
+    assert p.transfer_config().shared_secret == b"s" * 16
+    monkeypatch.setenv("PD_SHARED_SECRET", "e" * 32)
+    assert parse_params({"bootstrap_host": "10.1.2.3"}).transfer_config().shared_secret == b"e" * 32

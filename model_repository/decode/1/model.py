@@ -49,17 +49,19 @@ class TritonPythonModel:
         g.setup_env()
         self.worker = DecodeWorker(g.stage_params(pb, args, "decode"))
         self.metrics = g.StageMetrics(pb, "decode", args["model_instance_name"], self.worker.stats)
+        self.retirement = g.Retirement(args["model_instance_name"], self.worker.idle)
 
     def execute(self, requests):
-        for request in requests:
-            sender = request.get_response_sender()
-            try:
-                req = g.stage_request(pb, request)
-                emit = _emitter(sender, req.room, self.worker.cancel_addr)
-                self.worker.submit(req, emit, sender.is_cancelled)
-            except Exception as e:  # invalid (400), overloaded (503) or internal: this one only
-                sender.send(g.exception_response(pb, "decode", e), flags=FINAL)
-        return None
+        with self.retirement:  # a replaced version exits only between batches
+            for request in requests:
+                sender = request.get_response_sender()
+                try:
+                    req = g.stage_request(pb, request)
+                    emit = _emitter(sender, req.room, self.worker.cancel_addr)
+                    self.worker.submit(req, emit, sender.is_cancelled)
+                except Exception as e:  # invalid (400), overloaded (503) or internal: this one only
+                    sender.send(g.exception_response(pb, "decode", e), flags=FINAL)
+            return None
 
     def finalize(self):
         self.metrics.close()

@@ -27,6 +27,7 @@ class TritonPythonModel:
     def initialize(self, args):
         g.setup_env()
         self.post = Postprocessor(g.stage_params(pb, args, "postprocess"))
+        self.retirement = g.Retirement(args["model_instance_name"])
 
     def _forward_cancel(self, request) -> None:
         try:
@@ -45,16 +46,17 @@ class TritonPythonModel:
         return pb.InferenceResponse(output_tensors=outs)
 
     def execute(self, requests):
-        for request in requests:
-            sender = request.get_response_sender()
-            if request.is_cancelled():
-                self._forward_cancel(request)
-                sender.send(flags=FINAL)
-            elif g.int_list(pb, request, "FLAGS") == [1]:  # a heartbeat: nothing for the client
-                sender.send(flags=FINAL)
-            else:
-                sender.send(self._respond(request), flags=FINAL)
-        return None
+        with self.retirement:  # a replaced version exits only between batches
+            for request in requests:
+                sender = request.get_response_sender()
+                if request.is_cancelled():
+                    self._forward_cancel(request)
+                    sender.send(flags=FINAL)
+                elif g.int_list(pb, request, "FLAGS") == [1]:  # a heartbeat: nothing for the client
+                    sender.send(flags=FINAL)
+                else:
+                    sender.send(self._respond(request), flags=FINAL)
+            return None
 
     def finalize(self):
         self.post.close()

@@ -31,18 +31,20 @@ class TritonPythonModel:
         params = g.stage_params(pb, args, "prefill")
         self.worker = PrefillWorker(params, instance_index=instance_index(name))
         self.metrics = g.StageMetrics(pb, "prefill", name, self.worker.stats)
+        self.retirement = g.Retirement(name, self.worker.idle)
 
     def execute(self, requests):
-        for request in requests:
-            sender = request.get_response_sender()
-            try:
-                req = g.stage_request(pb, request).with_bootstrap(self.worker.bootstrap_addr)
-                self.worker.submit(req, lambda _result, s=sender: s.send(flags=FINAL))
-            except Exception as e:  # invalid (400), overloaded (503) or internal: this one only
-                sender.send(g.exception_response(pb, "prefill", e), flags=FINAL)
-                continue
-            sender.send(pb.InferenceResponse(output_tensors=[g.request_tensor(pb, req)]))
-        return None
+        with self.retirement:  # a replaced version exits only between batches
+            for request in requests:
+                sender = request.get_response_sender()
+                try:
+                    req = g.stage_request(pb, request).with_bootstrap(self.worker.bootstrap_addr)
+                    self.worker.submit(req, lambda _result, s=sender: s.send(flags=FINAL))
+                except Exception as e:  # invalid (400), overloaded (503) or internal: this one only
+                    sender.send(g.exception_response(pb, "prefill", e), flags=FINAL)
+                    continue
+                sender.send(pb.InferenceResponse(output_tensors=[g.request_tensor(pb, req)]))
+            return None
 
     def finalize(self):
         self.metrics.close()

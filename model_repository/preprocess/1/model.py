@@ -18,13 +18,17 @@ class TritonPythonModel:
     def initialize(self, args):
         g.setup_env()
         self.pre = Preprocessor(g.stage_params(pb, args, "preprocess"))
+        self.retirement = g.Retirement(args["model_instance_name"])
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                req = self.pre.build(g.inputs(pb, request))
-                responses.append(pb.InferenceResponse(output_tensors=[g.request_tensor(pb, req)]))
-            except Exception as e:
-                responses.append(g.exception_response(pb, "invalid request", e))
-        return responses
+        with self.retirement:  # a replaced version exits only between batches
+            responses = []
+            for request in requests:
+                try:
+                    req = self.pre.build(g.inputs(pb, request))
+                    responses.append(
+                        pb.InferenceResponse(output_tensors=[g.request_tensor(pb, req)])
+                    )
+                except Exception as e:
+                    responses.append(g.exception_response(pb, "invalid request", e))
+            return responses

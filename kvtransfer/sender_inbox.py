@@ -1,0 +1,158 @@
+"""Prefill's handling of decode's control messages: Ping, Register, Abort (a mixin of
+:class:`~kvtransfer.sender.KVSender`, run on its control thread).
+
+A Register is served only once its connection proved it owns the Mooncake session it names
+(:mod:`.proof`); until then the connection's registrations are held (at most
+``max_pending_per_peer``). One that fails a check is refused to that connection only: a hostile
+or broken peer can fail only its own registrations, never another peer's room.
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from . import messages as m
+from .registration import RegistrationError, check_entries
+from .state import RoomStatus
+
+MAX_PENDING_REGISTRATIONS = 4096
+
+
+class SenderInbox:
+    def on_frames(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        if len(frames) != 2:
+            self.drop("garbage", f"{len(frames)} frames")
+            return
+        ident = frames[0].bytes
+        msg = self.decode(frames[1].bytes)
+        if msg is None:
+            return
+        if isinstance(msg, m.Ping):
+            self.send(self.router, m.Pong(msg.seq), ident)
+        elif isinstance(msg, m.Register):
+            self._on_register(ident, _peer_address(frames[1]), msg)
+        elif isinstance(msg, m.Abort):
+            self._on_abort(ident, msg)
+        else:
+            self.drop("unexpected", type(msg).__name__)
+
+    def _refuse_registration(self, ident: bytes, reg: m.Register, why: str) -> None:
+        self.drop("hostile", f"room {reg.room}: {why}")
+        self.send(self.router, m.Fail(reg.room, f"registration refused: {why}"), ident)
+
+    def _on_register(self, ident: bytes, peer_address: str | None, reg: m.Register) -> None:
+        try:
+            self.peers.check(ident, peer_address, reg)
+        except RegistrationError as e:
+            self._refuse_registration(ident, reg, str(e))
+            return
+        peer = self.peers.peer(ident)
+        if peer.refused:
+            self._refuse_registration(ident, reg, peer.refused)
+        elif peer.session is None:  # not proven yet: hold it, prove once per connection
+            if len(peer.held) >= self.peers.max_pending:
+                self._refuse_registration(ident, reg, "too many registrations before the proof")
+                return
+            peer.held.append(reg)
+            if not peer.proving:
+                peer.proving = True
+                if not self.proofs.check(
+                    ident, reg.session_id, reg.proof_addr, reg.proof, self._proof_verdict
+                ):
+                    self._proven(ident, False, "too many session proofs under way")
+        else:
+            self._serve_register(ident, reg)
+
+    def _proof_verdict(self, ident: bytes, ok: bool, why: str) -> None:  # a proof thread
+        self.call(self._proven, ident, ok, why)
+
+    def _proven(self, ident: bytes, ok: bool, why: str) -> None:
+        peer = self.peers.peer(ident)
+        held, peer.held, peer.proving = peer.held, [], False
+        if ok:
+            self.peers.bind(ident, held[0])
+        else:
+            peer.refused = why
+        for reg in held:
+            try:
+                if not ok:
+                    raise RegistrationError(why)
+                self.peers.check(ident, None, reg)  # the same session as the proven one
+            except RegistrationError as e:
+                self._refuse_registration(ident, reg, str(e))
+                continue
+            self._serve_register(ident, reg)
+
+    def _serve_register(self, ident: bytes, reg: m.Register) -> None:
+        r = self.rooms.get(reg.room)
+        if r is not None:
+            if r.claim is None and not r.status.ended:
+                self._claim(r, ident, reg)
+            elif r.claim is not None and r.claim.ident != ident:
+                self.drop("conflict", f"room {reg.room} is already registered by another peer")
+            return  # a duplicate of the registration we have: ignore
+        ended = self.rooms.status(reg.room)
+        if ended is not None:  # late registration for a room prefill already gave up
+            if ended[0] == RoomStatus.Failed:
+                self.send(self.router, m.Fail(reg.room, f"room already ended: {ended[1]}"), ident)
+            return
+        self._keep_pending(ident, reg)
+
+    def _keep_pending(self, ident: bytes, reg: m.Register) -> None:
+        have = self._pending.get(reg.room)
+        if have is not None:  # the first registration of a room wins; a repeat is ignored
+            if have[0] != ident:
+                self.drop("conflict", f"room {reg.room} is already registered by another peer")
+            return
+        try:
+            check_entries(reg, self.layouts)  # refuse what can never be served, at once
+        except RegistrationError as e:
+            self._end_early(reg.room, str(e))
+            self.send(self.router, m.Fail(reg.room, str(e)), ident)
+            return
+        if len(self._pending) >= MAX_PENDING_REGISTRATIONS or not self.peers.add_pending(ident):
+            self.drop("flood", f"too many unclaimed registrations; room {reg.room} refused")
+            self.send(
+                self.router, m.Fail(reg.room, "registration refused: too many pending"), ident
+            )
+            return
+        self._pending[reg.room] = (ident, reg, time.monotonic())
+
+    def _on_abort(self, ident: bytes, msg: m.Abort) -> None:
+        """An Abort touches a room only if this connection registered it: its claim, its pending
+        or held registration. Anyone else only hears that nothing of ours writes into its pages
+        for that room (true: it has no claim), so one peer can never end another peer's room."""
+        owned = self._drop_registration(ident, msg.room)
+        r = self.rooms.get(msg.room)
+        if r is not None and r.claim is not None and r.claim.ident == ident and not r.status.ended:
+            # decode holds its pages until our Fail says no write is in flight any more
+            self._fail(msg.room, f"aborted by decode: {msg.reason}", True)
+            return
+        if owned and r is not None and r.claim is None and not r.status.ended:
+            self._fail(msg.room, f"aborted by decode: {msg.reason}", False)
+        elif owned and r is None and not self.rooms.ended(msg.room):
+            self._end_early(msg.room, f"aborted by decode: {msg.reason}")  # not queued yet
+        if r is None or r.claim is None or r.claim.ident != ident or r.released:
+            self.send(self.router, m.Fail(msg.room, f"room not active: {msg.reason}"), ident)
+
+    def _drop_registration(self, ident: bytes, room: int) -> bool:
+        """Forget this connection's pending or held registration of ``room``; True if it had one."""
+        pending = self._pending.get(room)
+        if pending is not None and pending[0] == ident:
+            del self._pending[room]
+            self.peers.remove_pending(ident)
+            return True
+        peer = self.peers.known(ident)
+        if peer is not None and any(reg.room == room for reg in peer.held):
+            peer.held = [reg for reg in peer.held if reg.room != room]
+            return True
+        return False
+
+
+def _peer_address(frame: zmq.Frame) -> str | None:
+    try:
+        return frame.get("Peer-Address")
+    except (zmq.ZMQError, AttributeError):
+        return None

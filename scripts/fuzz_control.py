@@ -1,0 +1,229 @@
+#!/usr/bin/env python
+"""Control-plane fuzzer: malformed, unsigned, stale and hostile-but-well-formed messages against
+a live prefill (KVSender), a live decode (KVReceiver) and a decode's cancel listener, each in its
+own process with real Mooncake, while legitimate rooms go through.
+
+Passes when: every process is still alive and answering; every legitimate room arrived byte for
+byte; no byte landed outside a claimed page (decode's other pages are still zero); and each
+process's memory (RSS) grew by less than ``--max-rss-growth-mb``.
+
+    .venv/bin/python scripts/fuzz_control.py --messages 100000        # the full run
+    .venv/bin/python scripts/fuzz_control.py --messages 3000 --json   # what CI runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "helpers")]
+os.environ.setdefault("GLOG_minloglevel", "2")
+
+import zmq  # noqa: E402
+from fuzz_messages import Mutator  # noqa: E402
+from kvpeer import PeerProcess  # noqa: E402
+
+SECRET = b"fuzz-control-secret-0123456789ab"
+ENTRIES = {"target": ("gqa", 16, 128)}
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(ln for ln in f if ln.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def cancel_listener_main(conn) -> None:
+    from backends.stages.cancel import CancelListener
+
+    got: list[int] = []
+    lis = CancelListener("127.0.0.1", got.append, SECRET)
+    conn.send(lis.addr)
+    while conn.recv() != "exit":
+        conn.send((len(got), lis.dropped))
+    lis.close()
+    conn.send("bye")
+
+
+class Target:
+    """One attacked endpoint: its sockets, and how fuzzed frames reach it."""
+
+    def __init__(self, name: str, pid: int, sockets: list[zmq.Socket], multipart: bool):
+        self.name, self.pid, self.sockets, self.multipart = name, pid, sockets, multipart
+        self.rss0 = rss_mb(pid)
+        self.sent = 0
+
+    def send(self, rng: random.Random, frame: bytes) -> None:
+        s = rng.choice(self.sockets)
+        if self.multipart and rng.random() < 0.05:
+            s.send_multipart([frame, frame])  # a wrong frame count
+        else:
+            s.send(frame, zmq.NOBLOCK)
+        self.sent += 1
+
+
+def legit_room(prefill, decode, room: int) -> bool:
+    prefill.alloc_pages(room, {"target": 4})
+    decode.alloc_pages(room, {"target": 4})
+    decode.register(room, [prefill.info["bootstrap_addr"]], 60)
+    prefill.start_room(room)
+    prefill.run_prefill(room, [("target", 0, 2), ("target", 2, 4)], 0.0, 0.0, 1, None)
+    ok = tuple(decode.wait(room, 60)) == ("Success", "")
+    ok = ok and decode.digest(room, "target", 4) == prefill.digest(room, "target", 4)
+    prefill.wait(room, 30)
+    if ok:  # a failed room's pages were freed by its release already (prefill's always are)
+        decode.free_room(room)
+    return ok
+
+
+def fake_prefill(ctx, decode, rooms: list[int]) -> tuple[zmq.Socket, bytes]:
+    """A ROUTER posing as a prefill that decode registered ``rooms`` with; returns it and
+    decode's identity on it (the fuzzer then answers decode with hostile messages)."""
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    for room in rooms:
+        decode.alloc_pages(room, {"target": 2})
+        decode.register(room, [f"127.0.0.1:{port}"], 20)
+    assert router.poll(10000), "decode never registered with the fake prefill"
+    ident, _ = router.recv_multipart()
+    return router, ident
+
+
+class RouterTo:
+    """Sends to one identity through a ROUTER (decode's side of the fake prefill)."""
+
+    def __init__(self, router: zmq.Socket, ident: bytes):
+        self.router, self.ident = router, ident
+
+    def send(self, frame: bytes, flags: int = 0) -> None:
+        self.router.send_multipart([self.ident, frame], flags)
+
+    def send_multipart(self, frames: list[bytes]) -> None:
+        self.router.send_multipart([self.ident, *frames])
+
+
+def run(args) -> dict:
+    rng = random.Random(args.seed)
+    cfg = dict(shared_secret=SECRET, bootstrap_timeout_s=20.0, transfer_timeout_s=60.0)
+    prefill = PeerProcess("prefill", ENTRIES, cfg, seed=1)
+    decode = PeerProcess("decode", ENTRIES, cfg, seed=2)
+    ctx = zmq.Context()
+    pipe, child = mp.get_context("spawn").Pipe()
+    lis = mp.get_context("spawn").Process(target=cancel_listener_main, args=(child,), daemon=True)
+    lis.start()
+    cancel_addr = pipe.recv()
+    victim_rooms = list(range(900, 904))
+    router, decode_ident = fake_prefill(ctx, decode, victim_rooms)
+    mut = Mutator(rng, SECRET, decode.call("session_id"), decode.call("base_addr", "target"))
+    targets = [
+        Target(
+            "prefill", prefill.info["pid"], _dealers(ctx, prefill.info["bootstrap_addr"], 4), True
+        ),
+        Target("decode", decode.info["pid"], [RouterTo(router, decode_ident)], True),
+        Target("cancel", lis.pid, _pushers(ctx, cancel_addr, 2), False),
+    ]
+    legit, failures, t0 = [], [], time.time()
+    try:
+        for i in range(args.messages):
+            target = targets[i % len(targets)]
+            target.send(rng, mut.frame(target.name, victim_rooms))
+            if i % args.legit_every == 0:
+                room = 1 + len(legit)
+                legit.append(room)
+                if not legit_room(prefill, decode, room):
+                    failures.append(f"legit room {room} failed")
+            if i % 2000 == 0 and args.progress:
+                print(f"[fuzz] {i}/{args.messages} messages", file=sys.stderr, flush=True)
+        time.sleep(2.0)  # let the last frames be processed
+        final = 10**6
+        legit.append(final)
+        if not legit_room(prefill, decode, final):
+            failures.append("the last legit room failed")
+        result = _verdict(args, targets, prefill, decode, pipe, legit, failures)
+    finally:
+        ctx.destroy(linger=0)
+        prefill.stop()
+        decode.stop()
+        try:
+            pipe.send("exit")
+        except (BrokenPipeError, OSError):
+            pass
+        lis.join(5)
+    result["seconds"] = round(time.time() - t0, 1)
+    return result
+
+
+def _dealers(ctx, addr: str, n: int) -> list[zmq.Socket]:
+    out = []
+    for _ in range(n):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 100000)
+        s.connect(f"tcp://{addr}")
+        out.append(s)
+    return out
+
+
+def _pushers(ctx, addr: str, n: int) -> list[zmq.Socket]:
+    out = []
+    for _ in range(n):
+        s = ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 100000)
+        s.connect(f"tcp://{addr}")
+        out.append(s)
+    return out
+
+
+def _verdict(args, targets, prefill, decode, pipe, legit, failures) -> dict:
+    growth = {t.name: round(rss_mb(t.pid) - t.rss0, 1) for t in targets}
+    pipe.send("stats")
+    cancels_seen, cancel_dropped = pipe.recv()
+    untouched = decode.untouched(legit + list(range(900, 904)))
+    checks = {
+        "all_processes_alive": all(os.path.exists(f"/proc/{t.pid}") for t in targets),
+        "legit_rooms_byte_exact": not failures,
+        "no_write_outside_claimed_pages": untouched,
+        "memory_bounded": all(g < args.max_rss_growth_mb for g in growth.values()),
+    }
+    return {
+        "ok": all(checks.values()),
+        "checks": checks,
+        "messages": sum(t.sent for t in targets),
+        "per_target": {t.name: t.sent for t in targets},
+        "legit_rooms": len(legit),
+        "failures": failures,
+        "rss_growth_mb": growth,
+        "prefill_dropped": prefill.dropped(),
+        "decode_dropped": decode.dropped(),
+        "cancel_listener": {"cancels": cancels_seen, "dropped": cancel_dropped},
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--messages", type=int, default=100_000)
+    ap.add_argument("--legit-every", type=int, default=2000, help="a legit room every N messages")
+    ap.add_argument("--max-rss-growth-mb", type=float, default=256.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-progress", dest="progress", action="store_false")
+    args = ap.parse_args(argv)
+    result = run(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k}: {v}")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

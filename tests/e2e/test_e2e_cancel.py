@@ -1,0 +1,93 @@
+"""Client cancels in every phase, streaming and not, through a real tritonserver whose KV writes
+wait 2 s (the kvtransfer fault-injection setting for tests) so each phase lasts long enough:
+prefill computing, KV transferring, decoding. (Cancel while queued for pages: test_e2e_overload.)
+Each time: the request ends at once, no more tokens are generated, pages go back to 0 on both
+stages, and Triton counts no inference left in flight."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+from triton_harness import GrpcStream, grpc_ask, grpc_input, launch, metrics, stop, wait_pages_free
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def slow(tmp_path_factory):
+    sets = ["prefill.lg_fixed_group_size=10", "max_context=2048", "max_tokens_limit=512"]
+    env = {"KVTRANSFER_FAULTS": "delay=2"}
+    srv, serve, env = launch(tmp_path_factory.mktemp("slow"), sets, env=env)
+    yield srv
+    stop(srv, serve, env)
+    log = open(srv.log).read()
+    assert "Found 0 model versions that have in-flight inferences" in log, log[-3000:]
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(10, 40000, n).tolist()
+
+
+def trace(server) -> list[dict]:
+    out = []
+    for path in glob.glob(os.path.join(server.trace_dir, "*.jsonl")):
+        with open(path) as f:
+            out += [json.loads(line) for line in f if line.strip()]
+    return out
+
+
+def cancel_at(server, fields: dict, after_s: float) -> dict:
+    """Send, cancel after ``after_s`` seconds, wait until decode ended it; the metric deltas."""
+    before = metrics(server)
+    s = GrpcStream(server.grpc)
+    s.send([grpc_input(k, v) for k, v in fields.items()])
+    time.sleep(after_s)
+    s.close(cancel=True)
+    key = ("pd_requests_cancelled_total", "decode")
+    deadline = time.time() + 15
+    while metrics(server).get(key, 0) <= before.get(key, 0):
+        assert time.time() < deadline, "decode never ended the cancelled request"
+        time.sleep(0.1)
+    gen = ("pd_generated_tokens_total", "decode")
+    ended = metrics(server)
+    time.sleep(1.0)  # nothing more is generated for it (within one step of the cancel)
+    after = metrics(server)
+    assert after.get(gen, 0) == ended.get(gen, 0)
+    m = wait_pages_free(server, 30)
+    assert [m[("pd_kv_pages_in_use", st)] for st in ("prefill", "decode")] == [0, 0]
+    return {"generated": ended.get(gen, 0) - before.get(gen, 0)}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_cancel_while_prefill_computes(slow, stream):
+    fields = {"input_ids": ids(1500, 1), "max_tokens": 32, "stream": stream}
+    assert cancel_at(slow, fields, 1.0)["generated"] == 0
+    pre = [r for r in trace(slow) if r["stage"] == "prefill" and r.get("error")]
+    assert any("ended while prefill computed" in r["error"] for r in pre), pre  # stopped early
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_cancel_while_the_kv_transfers(slow, stream):
+    fields = {"input_ids": ids(64, 2), "max_tokens": 32, "stream": stream}
+    assert cancel_at(slow, fields, 1.2)["generated"] == 0  # computed, KV still in flight
+    recs = trace(slow)
+    dec = [r for r in recs if r["stage"] == "decode" and r["cancelled"]][-1]
+    pre = next(r for r in recs if r["stage"] == "prefill" and r["room"] == dec["room"])
+    assert pre["error"] is None and "computed" in pre  # prefill had finished computing
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_cancel_while_decoding(slow, stream):
+    fields = {"input_ids": ids(32, 3), "max_tokens": 400, "ignore_eos": True, "stream": stream}
+    generated = cancel_at(slow, fields, 6.0)["generated"]  # 2 s of transfer delay, then decode
+    assert 0 < generated < 400
+
+
+def test_the_server_serves_on(slow):
+    _, out, err = grpc_ask(slow.grpc, {"text_input": "Hello", "max_tokens": 3})
+    assert err is None and out
