@@ -40,11 +40,12 @@ class GQAAttention:
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q = self.rope.apply(q.view(T, H, D), meta.positions)  # q: [T, H, D]
         k = self.rope.apply(k.view(T, Hkv, D), meta.positions)  # k: [T, Hkv, D]
+        v = v.view(T, Hkv, D)
         k_cache = kv[0].view(-1, Hkv, D)  # [S, Hkv, D]
         v_cache = kv[1].view(-1, Hkv, D)
         write_kv(k_cache, meta, k)
-        write_kv(v_cache, meta, v.view(T, Hkv, D))
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        write_kv(v_cache, meta, v)
+        out = paged_attention(q, k, k_cache, meta, self.scale, v, v_cache)  # [T, H, D]
         return F.linear(out.reshape(T, H * D), self.o, self.o_b)
 
 
@@ -87,9 +88,11 @@ class MLAAttention:
         c_kv = self.kv_norm(c_kv)  # [T, R]
         k_pe = self.rope.apply(k_pe[:, None, :], meta.positions)[:, 0]  # [T, dr]
         cache = latent.view(-1, 1, R + self.dr)  # [S, 1, R + dr]
-        write_kv(cache, meta, torch.cat([c_kv, k_pe], dim=-1)[:, None, :])
+        new = torch.cat([c_kv, k_pe], dim=-1)[:, None, :]  # [T, 1, R + dr]
+        write_kv(cache, meta, new)
         q_lat = torch.einsum("thd,hdr->thr", q_nope, self.w_uk)  # [T, H, R]
         q_full = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, R + dr]
-        out_lat = paged_attention(q_full, cache, cache[..., :R], meta, self.scale)  # [T, H, R]
+        # values are the latent's first R channels: [T, H, R]
+        out_lat = paged_attention(q_full, new, cache, meta, self.scale, v_dim=R)
         out = torch.einsum("thr,hvr->thv", out_lat, self.w_uv)  # [T, H, dv]
         return F.linear(out.reshape(T, H * self.dv), self.o, self.o_b)

@@ -2,16 +2,25 @@
 
 A forward pass takes ``T`` new tokens flattened over ``B`` sequences ("varlen"). Sequence ``b``
 adds ``n_b`` tokens at positions ``[start_b, start_b + n_b)`` and attends to its whole context
-``[0, start_b + n_b)``, whose KV lives in its pages. :class:`BatchMeta` is built once per forward
-and shared by every layer:
+``[0, start_b + n_b)``, whose KV lives in its pages. :class:`BatchMeta` is built once per forward,
+with tensor ops (no Python loop over tokens), and shared by every layer:
 
 * ``write_slots [T]``: flat pool slot (``page * page_size + offset``) of each new token;
 * ``read_slots [B, L]``: flat slots of each sequence's context, padded to the longest ``L``;
-* ``mask [B, 1, Q, L]``: causal + padding (+ sliding window) mask, ``Q`` = most new tokens;
+* ``mask``: causal + padding (+ sliding window), only where a kernel needs one;
 * ``q_index [T]``: where each flat token sits in the padded ``[B * Q]`` query grid.
 
-Reads are one ``index_select`` per layer (pages gathered, no Python loop over tokens), and
-attention is one SDPA call for the whole batch.
+Three kinds of forward, picked once per batch (:attr:`BatchMeta.kind`):
+
+* ``prefill``: every sequence starts at position 0, so its context is exactly its new tokens:
+  attention runs on the new K/V directly and never reads the pool back;
+* ``decode``: one new token per sequence: queries need no padding;
+* ``extend``: anything else (prefill continuation, speculative verify, draft catch-up).
+
+Pool reads (``decode`` / ``extend``) go through :func:`gather_context`: one ``index_select``
+per layer component on the pool viewed as 2-D ``[slots, Hkv * D]`` rows (measured 37x faster
+than the same select on the 3-D view, 0.2 ms vs 8 ms for 4.6k slots of SmolLM2), or through a
+compiled kernel that reads the pages in place (:mod:`backends.runtime.decode_attn`).
 """
 
 from __future__ import annotations
@@ -24,15 +33,17 @@ import torch.nn.functional as F
 
 @dataclass
 class BatchMeta:
+    kind: str  # "prefill" | "decode" | "extend"
     positions: torch.Tensor  # [T] absolute position of each new token
     write_slots: torch.Tensor  # [T]
     read_slots: torch.Tensor  # [B, L]
-    mask: torch.Tensor  # [B, 1, Q, L] bool, True = attend
+    ctx_lens: torch.Tensor  # [B] context length after this forward
     q_index: torch.Tensor  # [T] index into the padded [B * Q] grid
+    mask: torch.Tensor | None  # [B, 1, Q, L] bool, True = attend; None: see `causal`
     lengths: list[int]  # new tokens per sequence
     num_seqs: int
     max_q: int
-    causal: bool = False  # one sequence from position 0, no window: plain causal attention
+    causal: bool = False  # mask is None and attention is plain causal (one sequence from 0)
 
     @classmethod
     def build(
@@ -44,52 +55,83 @@ class BatchMeta:
         sliding_window: int | None = None,
     ) -> BatchMeta:
         """seqs: (start_pos, num_new_tokens, pages) per sequence."""
-        if not seqs:
-            raise ValueError("a forward needs at least one sequence")
-        max_q = max(n for _, n, _ in seqs)
-        max_ctx = max(s + n for s, n, _ in seqs)
-        positions, write_slots, q_index = [], [], []
-        read_slots = torch.zeros(len(seqs), max_ctx, dtype=torch.long)
-        ctx_lens, q_pos = [], torch.zeros(len(seqs), max_q, dtype=torch.long)
+        starts, lengths, table = _check_and_table(seqs, page_size, num_pages)
+        B, max_q = len(seqs), max(lengths)
+        ctx = starts + torch.tensor(lengths)  # [B]
+        max_ctx = int(ctx.max())
         offs = torch.arange(max_ctx)
-        for b, (start, n, pages) in enumerate(seqs):
-            if n <= 0:
-                raise ValueError(f"sequence {b} has no new tokens")
-            ctx = start + n
-            need = -(-ctx // page_size)
-            if len(pages) < need:
-                raise ValueError(
-                    f"sequence {b}: {ctx} tokens need {need} pages of {page_size}, got {len(pages)}"
-                )
-            bad = [p for p in pages[:need] if not 0 <= p < num_pages]
-            if bad:
-                raise IndexError(f"sequence {b}: pages {bad} outside the pool [0, {num_pages})")
-            page_t = torch.tensor(pages[:need], dtype=torch.long)
-            slots = page_t[offs[:ctx] // page_size] * page_size + offs[:ctx] % page_size
-            read_slots[b, :ctx] = slots
-            write_slots.append(slots[start:ctx])
-            positions.append(offs[start:ctx])
-            q_index.append(b * max_q + torch.arange(n))
-            q_pos[b, :n] = offs[start:ctx]
-            ctx_lens.append(ctx)
-        k_pos = offs[None, None, :]  # [1, 1, L]
-        qp = q_pos[:, :, None]  # [B, Q, 1]; padding rows sit at position 0 and see key 0
-        mask = (k_pos <= qp) & (k_pos < torch.tensor(ctx_lens)[:, None, None])
-        if sliding_window is not None:
-            mask &= k_pos > qp - sliding_window
+        read_slots = table[:, offs // page_size] * page_size + offs % page_size  # [B, L]
+        seq_of = torch.repeat_interleave(torch.arange(B), torch.tensor(lengths))  # [T]
+        first = torch.tensor([0] + lengths[:-1]).cumsum(0)  # [B] first flat token of each seq
+        within = torch.arange(len(seq_of)) - first[seq_of]  # [T] index inside its sequence
+        positions = starts[seq_of] + within
+        if bool((starts == 0).all()):
+            kind = "prefill"
+        else:
+            kind = "decode" if max_q == 1 else "extend"
+        mask, causal = _mask(kind, starts, ctx, max_q, sliding_window)
         return cls(
-            positions=torch.cat(positions).to(device),
-            write_slots=torch.cat(write_slots).to(device),
+            kind=kind,
+            positions=positions.to(device),
+            write_slots=read_slots[seq_of, positions].to(device),
             read_slots=read_slots.to(device),
-            mask=mask[:, None].to(device),
-            q_index=torch.cat(q_index).to(device),
-            lengths=[n for _, n, _ in seqs],
-            num_seqs=len(seqs),
+            ctx_lens=ctx.to(device),
+            q_index=(seq_of * max_q + within).to(device),
+            mask=None if mask is None else mask.to(device),
+            lengths=lengths,
+            num_seqs=B,
             max_q=max_q,
-            causal=len(seqs) == 1
-            and seqs[0][0] == 0
-            and (sliding_window is None or sliding_window >= max_ctx),
+            causal=causal,
         )
+
+
+def _check_and_table(
+    seqs: list[tuple[int, int, list[int]]], page_size: int, num_pages: int
+) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """-> (starts [B], new-token counts, page table [B, P] padded with page 0)."""
+    if not seqs:
+        raise ValueError("a forward needs at least one sequence")
+    need = []
+    for b, (start, n, pages) in enumerate(seqs):
+        if n <= 0:
+            raise ValueError(f"sequence {b} has no new tokens")
+        need.append(-(-(start + n) // page_size))
+        if len(pages) < need[-1]:
+            raise ValueError(
+                f"sequence {b}: {start + n} tokens need {need[-1]} pages of {page_size}, "
+                f"got {len(pages)}"
+            )
+    width = max(need)
+    rows = [list(p[:k]) + [0] * (width - k) for (_, _, p), k in zip(seqs, need, strict=True)]
+    table = torch.tensor(rows)
+    used = torch.arange(width)[None, :] < torch.tensor(need)[:, None]  # [B, P]
+    bad = used & ((table < 0) | (table >= num_pages))
+    if bool(bad.any()):
+        b = int(bad.any(1).nonzero()[0])
+        raise IndexError(
+            f"sequence {b}: pages {table[b][bad[b]].tolist()} outside the pool [0, {num_pages})"
+        )
+    return torch.tensor([s for s, _, _ in seqs]), [n for _, n, _ in seqs], table
+
+
+def _mask(
+    kind: str, starts: torch.Tensor, ctx: torch.Tensor, max_q: int, window: int | None
+) -> tuple[torch.Tensor | None, bool]:
+    """-> (mask [B, 1, Q, L] or None, plain causal). Keys: context ([0, L)), or for a prefill
+    batch the new tokens themselves (the same positions)."""
+    B, L = len(ctx), int(ctx.max())
+    windowed = window is not None and window < L
+    if B == 1 and kind == "prefill" and not windowed:
+        return None, True
+    if kind == "decode" and not windowed and bool((ctx == L).all()):
+        return None, False  # every query sees its whole (equal-length) context
+    q_pos = starts[:, None] + torch.arange(max_q)[None, :]  # [B, Q]; padding rows see more,
+    q_pos = torch.minimum(q_pos, ctx[:, None] - 1)  # clamped so no row is fully masked
+    k_pos = torch.arange(L)[None, None, :]  # [1, 1, L]
+    mask = (k_pos <= q_pos[:, :, None]) & (k_pos < ctx[:, None, None])
+    if windowed:
+        mask &= k_pos > q_pos[:, :, None] - window
+    return mask[:, None], False
 
 
 def write_kv(cache: torch.Tensor, meta: BatchMeta, new: torch.Tensor) -> None:
@@ -97,34 +139,67 @@ def write_kv(cache: torch.Tensor, meta: BatchMeta, new: torch.Tensor) -> None:
     cache.index_copy_(0, meta.write_slots, new.to(cache.dtype))
 
 
-def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta, scale: float
-) -> torch.Tensor:
-    """Attention of new tokens over their sequences' cached context.
-
-    q: [T, H, Dk]; k_cache: [S, Hkv, Dk]; v_cache: [S, Hkv, Dv] (flat slots, may be views)
-    -> [T, H, Dv]. H must be a multiple of Hkv (GQA; MLA in latent space has Hkv = 1).
-    """
+def gather_context(cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+    """cache: [S, Hkv, D] (contiguous rows) -> each sequence's context [B, Hkv, L, D]."""
+    S, Hkv, D = cache.shape
     B, L = meta.read_slots.shape
-    T, H, Dk = q.shape
-    flat = meta.read_slots.reshape(-1)
-    k = k_cache.index_select(0, flat).view(B, L, -1, Dk).transpose(1, 2)  # [B, Hkv, L, Dk]
-    v = v_cache.index_select(0, flat)
-    v = v.view(B, L, -1, v.shape[-1]).transpose(1, 2)  # [B, Hkv, L, Dv]
-    if B == 1 and meta.max_q == T:
-        qp = q.transpose(0, 1)[None]  # [1, H, T, Dk]
+    rows = cache.reshape(S, Hkv * D).index_select(0, meta.read_slots.reshape(-1))
+    return rows.view(B, L, Hkv, D).transpose(1, 2)
+
+
+def pad_queries(x: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+    """x: [T, H, D] flat tokens -> [B, H, Q, D] padded grid (zeros in the padding)."""
+    T, H, D = x.shape
+    if meta.num_seqs == 1:
+        return x.transpose(0, 1)[None]
+    grid = x.new_zeros(meta.num_seqs * meta.max_q, H, D)
+    grid.index_copy_(0, meta.q_index, x)
+    return grid.view(meta.num_seqs, meta.max_q, H, D).transpose(1, 2)
+
+
+def unpad(out: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+    """out: [B, H, Q, Dv] -> [T, H, Dv] for the real tokens."""
+    B, H, Q, Dv = out.shape
+    flat = out.transpose(1, 2).reshape(B * Q, H, Dv)
+    if B == 1 and Q == len(meta.q_index):
+        return flat
+    return flat.index_select(0, meta.q_index)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    meta: BatchMeta,
+    scale: float,
+    v_new: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    v_dim: int | None = None,
+) -> torch.Tensor:
+    """Attention of new tokens over their sequences' context (the new tokens included).
+
+    q: [T, H, Dk]; k_new: [T, Hkv, Dk] (already written to the cache); k_cache: [S, Hkv, Dk]
+    flat slots. Values: v_new [T, Hkv, Dv] and v_cache [S, Hkv, Dv], or none of them and
+    ``v_dim``: the values are the keys' first ``v_dim`` channels (MLA's latent). -> [T, H, Dv].
+    H must be a multiple of Hkv (GQA; MLA in latent space has Hkv = 1).
+    """
+    H = q.shape[1]
+    if meta.kind == "prefill":  # the context is the new tokens: no pool reads
+        k = pad_queries(k_new, meta)  # [B, Hkv, Q, Dk]
+        v = k[..., :v_dim] if v_new is None else pad_queries(v_new, meta)
     else:
-        qp = q.new_zeros(B * meta.max_q, H, Dk)
-        qp[meta.q_index] = q
-        qp = qp.view(B, meta.max_q, H, Dk).transpose(1, 2)  # [B, H, Q, Dk]
-    gqa = k.shape[1] != H
-    if meta.causal:  # lets SDPA pick a fused causal kernel instead of materialising the mask
-        out = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:
-        out = F.scaled_dot_product_attention(
-            qp, k, v, attn_mask=meta.mask, scale=scale, enable_gqa=gqa
-        )  # [B, H, Q, Dv]
-    out = out.transpose(1, 2).reshape(B * meta.max_q, H, -1)
-    if B == 1 and meta.max_q == T:
-        return out
-    return out[meta.q_index]  # [T, H, Dv]
+        k = gather_context(k_cache, meta)  # [B, Hkv, L, Dk]
+        v = k[..., :v_dim] if v_cache is None else gather_context(v_cache, meta)
+    qp = q[:, :, None, :] if meta.kind == "decode" else pad_queries(q, meta)  # [B, H, Q, Dk]
+    out = F.scaled_dot_product_attention(
+        qp,
+        k,
+        v,
+        attn_mask=meta.mask,
+        is_causal=meta.causal,
+        scale=scale,
+        enable_gqa=k.shape[1] != H,
+    )  # [B, H, Q, Dv]
+    if meta.kind == "decode":
+        return out[:, :, 0]
+    return unpad(out, meta)
