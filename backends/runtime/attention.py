@@ -11,24 +11,30 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .config import ModelConfig
+from .kernels import KernelSettings, Linear
 from .layers import RMSNorm
 from .paged import BatchMeta, paged_attention, write_kv
 from .rope import RotaryEmbedding
 from .weights import WeightReader
 
 
+def _linear(w: WeightReader, name: str, kernels: KernelSettings) -> Linear:
+    return Linear(w.get(f"{name}.weight"), w.opt(f"{name}.bias"), kernels)
+
+
 class GQAAttention:
-    def __init__(self, cfg: ModelConfig, w: WeightReader, prefix: str, rope: RotaryEmbedding):
+    def __init__(
+        self, cfg: ModelConfig, w: WeightReader, prefix: str, rope: RotaryEmbedding, kernels
+    ):
         self.H, self.Hkv, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q, k, v = (w.get(f"{prefix}.{n}_proj.weight") for n in ("q", "k", "v"))
-        self.qkv = torch.cat([q, k, v])  # [(H + 2 Hkv) D, hidden]: one matmul for q, k, v
         biases = [w.opt(f"{prefix}.{n}_proj.bias") for n in ("q", "k", "v")]
-        self.qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None
-        self.o = w.get(f"{prefix}.o_proj.weight")
-        self.o_b = w.opt(f"{prefix}.o_proj.bias")
+        qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None
+        # [(H + 2 Hkv) D, hidden]: one matmul for q, k, v
+        self.qkv = Linear(torch.cat([q, k, v]), qkv_b, kernels)
+        self.o = _linear(w, f"{prefix}.o_proj", kernels)
         self.rope = rope
         self.scale = cfg.softmax_scale
 
@@ -36,7 +42,7 @@ class GQAAttention:
         """x: [T, hidden]; kv: this layer's pool slab [2, pages, page_size, Hkv, D]."""
         T = x.shape[0]
         H, Hkv, D = self.H, self.Hkv, self.D
-        qkv = F.linear(x, self.qkv, self.qkv_b)  # [T, (H + 2 Hkv) D]
+        qkv = self.qkv(x)  # [T, (H + 2 Hkv) D]
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q = self.rope.apply(q.view(T, H, D), meta.positions)  # q: [T, H, D]
         k = self.rope.apply(k.view(T, Hkv, D), meta.positions)  # k: [T, Hkv, D]
@@ -46,30 +52,29 @@ class GQAAttention:
         write_kv(k_cache, meta, k)
         write_kv(v_cache, meta, v)
         out = paged_attention(q, k, k_cache, meta, self.scale, v, v_cache)  # [T, H, D]
-        return F.linear(out.reshape(T, H * D), self.o, self.o_b)
+        return self.o(out.reshape(T, H * D))
 
 
 class MLAAttention:
-    def __init__(self, cfg: ModelConfig, w: WeightReader, prefix: str, rope: RotaryEmbedding):
+    def __init__(
+        self, cfg: ModelConfig, w: WeightReader, prefix: str, rope: RotaryEmbedding, kernels
+    ):
         self.H = cfg.num_heads
         self.dn, self.dr, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.R = cfg.kv_lora_rank
         if cfg.q_lora_rank is None:
-            self.q_proj = w.get(f"{prefix}.q_proj.weight")
+            self.q_proj = Linear(w.get(f"{prefix}.q_proj.weight"), None, kernels)
         else:
-            self.q_a = w.get(f"{prefix}.q_a_proj.weight")
-            self.q_a_b = w.opt(f"{prefix}.q_a_proj.bias")
+            self.q_a = _linear(w, f"{prefix}.q_a_proj", kernels)
             self.q_a_norm = RMSNorm(w.get(f"{prefix}.q_a_layernorm.weight"), 1e-6)
-            self.q_b = w.get(f"{prefix}.q_b_proj.weight")
+            self.q_b = Linear(w.get(f"{prefix}.q_b_proj.weight"), None, kernels)
         self.q_lora = cfg.q_lora_rank is not None
-        self.kv_a = w.get(f"{prefix}.kv_a_proj_with_mqa.weight")  # [R + dr, hidden]
-        self.kv_a_b = w.opt(f"{prefix}.kv_a_proj_with_mqa.bias")
+        self.kv_a = _linear(w, f"{prefix}.kv_a_proj_with_mqa", kernels)  # [R + dr, hidden]
         self.kv_norm = RMSNorm(w.get(f"{prefix}.kv_a_layernorm.weight"), 1e-6)
         kv_b = w.get(f"{prefix}.kv_b_proj.weight").view(self.H, self.dn + self.dv, self.R)
         self.w_uk = kv_b[:, : self.dn, :]  # [H, dn, R]
         self.w_uv = kv_b[:, self.dn :, :]  # [H, dv, R]
-        self.o = w.get(f"{prefix}.o_proj.weight")
-        self.o_b = w.opt(f"{prefix}.o_proj.bias")
+        self.o = _linear(w, f"{prefix}.o_proj", kernels)
         self.rope = rope
         self.scale = cfg.softmax_scale
 
@@ -77,13 +82,13 @@ class MLAAttention:
         """x: [T, hidden]; latent: this layer's pool slab [pages, page_size, R + dr]."""
         T, H, R = x.shape[0], self.H, self.R
         if self.q_lora:
-            q = F.linear(self.q_a_norm(F.linear(x, self.q_a, self.q_a_b)), self.q_b)
+            q = self.q_b(self.q_a_norm(self.q_a(x)))
         else:
-            q = F.linear(x, self.q_proj)
+            q = self.q_proj(x)
         q = q.view(T, H, self.dn + self.dr)  # q: [T, H, dn + dr]
         q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
         q_pe = self.rope.apply(q_pe, meta.positions)  # [T, H, dr]
-        ckv = F.linear(x, self.kv_a, self.kv_a_b)  # [T, R + dr]
+        ckv = self.kv_a(x)  # [T, R + dr]
         c_kv, k_pe = ckv.split([R, self.dr], dim=-1)
         c_kv = self.kv_norm(c_kv)  # [T, R]
         k_pe = self.rope.apply(k_pe[:, None, :], meta.positions)[:, 0]  # [T, dr]
@@ -95,4 +100,4 @@ class MLAAttention:
         # values are the latent's first R channels: [T, H, R]
         out_lat = paged_attention(q_full, new, cache, meta, self.scale, v_dim=R)
         out = torch.einsum("thr,hvr->thv", out_lat, self.w_uv)  # [T, H, dv]
-        return F.linear(out.reshape(T, H * self.dv), self.o, self.o_b)
+        return self.o(out.reshape(T, H * self.dv))

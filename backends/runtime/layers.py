@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .kernels import KernelSettings, Linear
 from .weights import WeightReader
 
 
@@ -21,20 +22,22 @@ class RMSNorm:
 
 
 class MLP:
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)), gate and up as one matmul."""
 
-    def __init__(self, w: WeightReader, prefix: str):
-        self.gate, self.up, self.down = (
-            w.get(f"{prefix}.{n}_proj.weight") for n in ("gate", "up", "down")
-        )
-        self.gate_b, self.up_b, self.down_b = (
-            w.opt(f"{prefix}.{n}_proj.bias") for n in ("gate", "up", "down")
+    def __init__(self, w: WeightReader, prefix: str, kernels: KernelSettings):
+        gate, up = (w.get(f"{prefix}.{n}_proj.weight") for n in ("gate", "up"))
+        gate_b, up_b = (w.opt(f"{prefix}.{n}_proj.bias") for n in ("gate", "up"))
+        bias = torch.cat([gate_b, up_b]) if gate_b is not None and up_b is not None else None
+        self.inter = gate.shape[0]
+        self.gate_up = Linear(torch.cat([gate, up]), bias, kernels)  # [2I, D]
+        self.down = Linear(
+            w.get(f"{prefix}.down_proj.weight"), w.opt(f"{prefix}.down_proj.bias"), kernels
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D] -> [T, D]
-        h = F.silu(F.linear(x, self.gate, self.gate_b)) * F.linear(x, self.up, self.up_b)
-        return F.linear(h, self.down, self.down_b)
+        gate, up = self.gate_up(x).split(self.inter, dim=-1)  # [T, I] each
+        return self.down(F.silu(gate) * up)
 
 
 class MoE:
@@ -45,7 +48,7 @@ class MoE:
     raw score, optionally normalised; both scale by ``routed_scaling_factor``.
     """
 
-    def __init__(self, cfg: ModelConfig, w: WeightReader, prefix: str):
+    def __init__(self, cfg: ModelConfig, w: WeightReader, prefix: str, kernels: KernelSettings):
         self.cfg = cfg
         self.gate_w = w.get(f"{prefix}.gate.weight")  # [E, D]
         self.bias = w.opt(f"{prefix}.gate.e_score_correction_bias")  # [E]
@@ -59,7 +62,7 @@ class MoE:
             self.w_gate = torch.stack([w.get(f"{ex}.{e}.gate_proj.weight") for e in range(E)])
             self.w_up = torch.stack([w.get(f"{ex}.{e}.up_proj.weight") for e in range(E)])
             self.w_down = torch.stack([w.get(f"{ex}.{e}.down_proj.weight") for e in range(E)])
-        self.shared = MLP(w, f"{prefix}.shared_experts") if cfg.n_shared_experts else None
+        self.shared = MLP(w, f"{prefix}.shared_experts", kernels) if cfg.n_shared_experts else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D] -> (weights [T, k] float32, expert ids [T, k])."""

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from .attention import GQAAttention, MLAAttention
 from .config import ModelConfig
+from .kernels import KernelSettings, Linear
 from .layers import MLP, MoE, RMSNorm
 from .paged import BatchMeta
 from .rope import RotaryEmbedding
@@ -19,11 +20,14 @@ from .weights import WeightReader
 
 
 class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, w: WeightReader, i: int, rope: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, w: WeightReader, i: int, rope: RotaryEmbedding, kernels):
         p = f"model.layers.{i}"
         attn_cls = GQAAttention if cfg.attn == "gqa" else MLAAttention
-        self.attn = attn_cls(cfg, w, f"{p}.self_attn", rope)
-        self.mlp = MoE(cfg, w, f"{p}.mlp") if cfg.is_moe_layer(i) else MLP(w, f"{p}.mlp")
+        self.attn = attn_cls(cfg, w, f"{p}.self_attn", rope, kernels)
+        if cfg.is_moe_layer(i):
+            self.mlp = MoE(cfg, w, f"{p}.mlp", kernels)
+        else:
+            self.mlp = MLP(w, f"{p}.mlp", kernels)
         eps = cfg.rms_norm_eps
         self.input_norm = RMSNorm(w.get(f"{p}.input_layernorm.weight"), eps)
         self.post_norm = RMSNorm(w.get(f"{p}.post_attention_layernorm.weight"), eps)
@@ -37,14 +41,18 @@ class DecoderLayer:
 class CausalLM:
     def __init__(self, cfg: ModelConfig, w: WeightReader, device, dtype: torch.dtype):
         self.cfg = cfg
+        self.kernels = KernelSettings.from_env()
         self.embed_tokens = w.get("model.embed_tokens.weight")  # [V, hidden]
         if cfg.tie_word_embeddings or not w.has("lm_head.weight"):
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = w.get("lm_head.weight")  # [V, hidden]
         self.rope = RotaryEmbedding(cfg.rope, cfg.max_position_embeddings, device, dtype)
-        self.layers = [DecoderLayer(cfg, w, i, self.rope) for i in range(cfg.num_layers)]
+        self.layers = [
+            DecoderLayer(cfg, w, i, self.rope, self.kernels) for i in range(cfg.num_layers)
+        ]
         self.norm = RMSNorm(w.get("model.norm.weight"), cfg.rms_norm_eps)
+        self._head: tuple[torch.Tensor, Linear] | None = None  # (lm_head it packs, Linear)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         # token_ids: [T] -> [T, hidden]
@@ -62,6 +70,12 @@ class CausalLM:
             h = self.layers[i](h, meta, pool[i])
         return h
 
+    def head(self) -> Linear:
+        """The LM head as a :class:`Linear`, rebuilt if ``lm_head`` was replaced (a draft)."""
+        if self._head is None or self._head[0] is not self.lm_head:
+            self._head = (self.lm_head, Linear(self.lm_head, None, self.kernels))
+        return self._head[1]
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         # h: [T, hidden] -> [T, V] float32
-        return F.linear(self.norm(h), self.lm_head).float()
+        return self.head()(self.norm(h)).float()

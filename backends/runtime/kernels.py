@@ -1,0 +1,71 @@
+"""How the runtime's hot operations run on each device: linear layers and their settings.
+
+One setting, read from the environment when a model loads (``KernelSettings.from_env``):
+
+* ``PD_RUNTIME_LINEAR`` = ``auto`` (default) | ``torch``. ``auto`` pre-packs each float32
+  weight of a CPU model once for oneDNN (``torch.ops.mkldnn``: the weight in oneDNN's blocked
+  layout) and runs ``mkldnn._linear_pointwise``; everywhere else (CUDA, bfloat16 on CPUs
+  without bf16 instructions, a torch without mkldnn) it is ``F.linear``. Measured on the 2-core
+  AVX2 CI machine (SmolLM2 shapes, float32, min of 30): the LM head ``[49152, 576]`` 10.6 ms ->
+  5.7 ms at 1 row and 26 -> 9 ms at 8 rows; gate/up ``[3072, 576]`` 1.18 -> 0.82 ms at 8 rows;
+  equal at 512 rows (prefill). ``torch`` turns packing off.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+LINEAR_CHOICES = ("auto", "torch")
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    linear: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.linear not in LINEAR_CHOICES:
+            raise ValueError(
+                f"PD_RUNTIME_LINEAR must be one of {LINEAR_CHOICES}, got {self.linear!r}"
+            )
+
+    @classmethod
+    def from_env(cls) -> KernelSettings:
+        return cls(linear=os.environ.get("PD_RUNTIME_LINEAR", "auto"))
+
+
+def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [N, K] -> the same weight packed for oneDNN, or None where that does not apply."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        probe = torch.linspace(-1, 1, 2 * weight.shape[1]).view(2, -1)
+        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+    except (RuntimeError, AttributeError):  # op missing, or the CPU lacks the instructions
+        return None
+    if not torch.allclose(got, F.linear(probe, weight), rtol=1e-4, atol=1e-4):
+        return None
+    return packed
+
+
+class Linear:
+    """``y = x @ weight.T + bias`` for x: [T, K] -> [T, N], on the fastest path for its device."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, settings: KernelSettings):
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        self.packed = pack_for_onednn(weight) if settings.linear == "auto" else None
+        self.weight = weight if self.packed is None else None  # the packed copy replaces it
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(
+            x.contiguous(), self.packed, self.bias, "none", [], ""
+        )
