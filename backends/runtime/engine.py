@@ -4,9 +4,10 @@ Each :meth:`LLMEngine.step`:
 
 1. admits waiting sequences in FIFO order while the batch has room and the pool has the pages
    the sequence can ever need (``prompt + max_tokens - 1`` KV slots, reserved up front so a
-   running sequence never runs out of pages). A normal request is prefilled now and samples its
-   first token; a sequence added with :meth:`add_prefilled` (prompt KV received from a prefill
-   server) already has its first token. Either way that first token is reported by this step.
+   running sequence never runs out of pages). Normal requests are prefilled now, several in one
+   forward (up to ``prefill_tokens`` prompt tokens a forward), and sample their first token; a
+   sequence added with :meth:`add_prefilled` (prompt KV received from a prefill server) already
+   has its first token. Either way that first token is reported by this step.
 2. decodes every sequence that was already running, as ONE batched forward (one token each).
 
 Every output token is reported by exactly one step. A sequence finishes on EOS (unless
@@ -27,8 +28,10 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from .kv_pool import KVPool
-from .runner import ModelRunner
+from .runner import ModelRunner, SeqInput
 from .sampler import SamplingParams, sample
 from .sequence import FinishReason, SeqStatus, Sequence, check_context
 
@@ -49,9 +52,12 @@ class LLMEngine:
         pool: KVPool,
         max_batch: int = 16,
         max_context: int | None = None,
+        prefill_tokens: int = 4096,
     ):
         if not isinstance(max_batch, int) or max_batch <= 0:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
+        if not isinstance(prefill_tokens, int) or prefill_tokens <= 0:
+            raise ValueError(f"prefill_tokens must be a positive integer, got {prefill_tokens!r}")
         limit = runner.config.max_position_embeddings
         max_context = limit if max_context is None else max_context
         if not isinstance(max_context, int) or not 0 < max_context <= limit:
@@ -61,6 +67,7 @@ class LLMEngine:
             )
         self.runner, self.pool = runner, pool
         self.max_batch, self.max_context = max_batch, max_context
+        self.prefill_tokens = prefill_tokens  # prompt tokens per batched prefill forward
         self.eos_ids = runner.config.eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -181,10 +188,46 @@ class LLMEngine:
         if extra > 0:
             seq.pages += self.pool.alloc(extra)
 
-    def _prefill(self, seq: Sequence) -> int:
-        """Prefill a newly admitted (not prefilled) sequence; returns its first token."""
-        logits = self.runner.prefill(self.pool, seq.prompt_ids, seq.pages)
-        return sample(logits[None], [seq.params], [seq.generator])[0]
+    def _prefill_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One forward over the prompts of ``seqs``; the last position's logits, ``[B, vocab]``."""
+        inputs = [SeqInput(s.prompt_ids, 0, s.pages) for s in seqs]
+        return torch.cat(self.runner.forward(self.pool, inputs, last_only=True))
+
+    def _prefill(self, seqs: list[Sequence], out: StepOutput) -> None:
+        """Prefill newly admitted (not prefilled) sequences in one forward and emit their first
+        tokens; when the forward fails, retry one at a time so only a sequence that fails alone
+        ends with an error."""
+        try:
+            logits = self._prefill_logits(seqs)  # [B, V]
+        except Exception as e:
+            if len(seqs) == 1:
+                self._fail_seq(seqs[0], f"prefill failed: {type(e).__name__}: {e}", out)
+                return
+            log.warning("batched prefill failed (%s); retrying sequence by sequence", e)
+            for seq in seqs:
+                self._prefill([seq], out)
+            return
+        errors: dict[int, str] = {}
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], errors)
+        for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+            if token is None:
+                self._fail_seq(seq, f"sampling failed: {errors[i]}", out)
+            else:
+                self._emit(seq, token, out)
+
+    def _prefill_chunks(self, seqs: list[Sequence]) -> list[list[Sequence]]:
+        """Split in FIFO order into forwards of at most ``prefill_tokens`` prompt tokens (a longer
+        prompt gets a forward of its own)."""
+        chunks: list[list[Sequence]] = []
+        tokens = 0
+        for seq in seqs:
+            n = len(seq.prompt_ids)
+            if not chunks or tokens + n > self.prefill_tokens:
+                chunks.append([])
+                tokens = 0
+            chunks[-1].append(seq)
+            tokens += n
+        return chunks
 
     def _decode(self, decoding: list[Sequence], out: StepOutput) -> None:
         """Advance every already-running sequence (one token each here)."""
@@ -218,6 +261,7 @@ class LLMEngine:
                     self._decode_isolated([seq], out)
 
     def _admit(self, out: StepOutput) -> None:
+        fresh: list[Sequence] = []  # admitted now, prompt KV still to compute
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
             if not self._can_reserve(seq):
@@ -229,12 +273,9 @@ class LLMEngine:
             if seq.prefilled:  # the first token came with the KV: report it, check stops
                 self._emit(seq, seq.output_ids.pop(), out)
                 continue
-            try:
-                token = self._prefill(seq)
-            except Exception as e:
-                self._fail_seq(seq, f"prefill failed: {type(e).__name__}: {e}", out)
-                continue
-            self._emit(seq, token, out)
+            fresh.append(seq)
+        for chunk in self._prefill_chunks(fresh):
+            self._prefill(chunk, out)
 
     def step(self) -> StepOutput:
         out = StepOutput()

@@ -238,11 +238,13 @@ class SpecEngine(LLMEngine):
             self.draft.pool.free(pages)
 
     # ---- compute -----------------------------------------------------------------------------
-    def _prefill(self, seq: Sequence) -> int:
-        token = super()._prefill(seq)
-        self.draft.runner.prefill(self.draft.pool, seq.prompt_ids, seq.draft_pages)
-        seq.draft_len = len(seq.prompt_ids)
-        return token
+    def _prefill_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        logits = super()._prefill_logits(seqs)
+        inputs = [SeqInput(s.prompt_ids, 0, s.draft_pages) for s in seqs]
+        self.draft.runner.forward(self.draft.pool, inputs, last_only=True)
+        for seq in seqs:
+            seq.draft_len = len(seq.prompt_ids)
+        return logits
 
     def _propose_one(self, seq: Sequence, logits: torch.Tensor, q: list) -> int:
         if seq.params.greedy:
