@@ -42,11 +42,10 @@ class GQAAttention:
         """x: [T, hidden]; kv: this layer's pool slab [2, pages, page_size, Hkv, D]."""
         T = x.shape[0]
         H, Hkv, D = self.H, self.Hkv, self.D
-        qkv = self.qkv(x)  # [T, (H + 2 Hkv) D]
-        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q = self.rope.apply(q.view(T, H, D), meta.positions)  # q: [T, H, D]
-        k = self.rope.apply(k.view(T, Hkv, D), meta.positions)  # k: [T, Hkv, D]
-        v = v.view(T, Hkv, D)
+        qkv = self.qkv(x).view(T, H + 2 * Hkv, D)  # [T, H + 2 Hkv, D]
+        qk = self.rope.apply(qkv[:, : H + Hkv], meta.positions)  # q and k heads in one rotation
+        q, k = qk.split([H, Hkv], dim=1)  # q: [T, H, D]; k: [T, Hkv, D]
+        v = qkv[:, H + Hkv :]  # [T, Hkv, D]
         k_cache = kv[0].view(-1, Hkv, D)  # [S, Hkv, D]
         v_cache = kv[1].view(-1, Hkv, D)
         write_kv(k_cache, meta, k)

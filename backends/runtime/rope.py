@@ -85,17 +85,26 @@ class RotaryEmbedding:
             self.cos32 = (freqs.cos() * scale).to(device)
             self.sin32 = (freqs.sin() * scale).to(device)
         self.max_positions = max_positions
+        self._rows: tuple | None = None  # (positions, cos, sin) of the latest forward
+
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at ``positions``: [T, 1, dim/2]. Looked up once per forward: every layer
+        passes the same ``positions`` tensor (the batch metadata's)."""
+        rows = self._rows
+        if rows is None or rows[0] is not positions:
+            cos, sin = (self.cos32, self.sin32) if self.style == "complex" else (self.cos, self.sin)
+            rows = (positions, cos[positions][:, None, :], sin[positions][:, None, :])
+            self._rows = rows  # one tuple assignment: safe for threads sharing the model
+        return rows[1], rows[2]
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, H, dim]; positions: [T] (checked < max_positions by the caller)."""
+        cos, sin = self.rows(positions)  # [T, 1, dim/2]
         if self.style == "complex":
-            cos, sin = self.cos32[positions][:, None, :], self.sin32[positions][:, None, :]
             xf = x.float()
             x1, x2 = xf[..., 0::2], xf[..., 1::2]
             out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
             return out.flatten(-2).to(x.dtype)
-        cos = self.cos[positions][:, None, :]  # [T, 1, dim/2]
-        sin = self.sin[positions][:, None, :]
         if self.style == "interleave":
             x1, x2 = x[..., 0::2], x[..., 1::2]
             return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
