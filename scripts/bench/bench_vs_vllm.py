@@ -168,6 +168,7 @@ def bench_dtype(args, dtype: str, configs: list[tuple[int, int]]) -> list[dict]:
                 for name in order:
                     t1, tn, out = measure(workers[name], prompts, args.max_tokens)
                     times[name].append((t1, tn))
+                    log(f"{batch}x{length} {dtype} run {r} {name}: {t1:.2f} s, {tn:.2f} s")
                     outputs.setdefault(name, out)
             rows.append(summarize(batch, length, dtype, args, times, outputs))
             log(json.dumps(rows[-1]))
