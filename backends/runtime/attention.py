@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
+from .decode_attn import decode_attention
 from .kernels import KernelSettings, Linear
 from .layers import RMSNorm
 from .paged import BatchMeta, paged_attention, write_kv
@@ -22,6 +23,16 @@ from .weights import WeightReader
 
 def _linear(w: WeightReader, name: str, kernels: KernelSettings) -> Linear:
     return Linear(w.get(f"{name}.weight"), w.opt(f"{name}.bias"), kernels)
+
+
+def attend(q, k_new, k_cache, meta, scale, kernels, v_new=None, v_cache=None, v_dim=None):
+    """Paged attention (see :func:`~backends.runtime.paged.paged_attention` for the shapes),
+    through the compiled in-place decode kernel where it is chosen and available."""
+    if meta.kind == "decode" and kernels.attention == "compiled":
+        out = decode_attention(q, k_cache, v_cache, v_dim, meta, scale)
+        if out is not None:
+            return out
+    return paged_attention(q, k_new, k_cache, meta, scale, v_new, v_cache, v_dim)
 
 
 class GQAAttention:
@@ -37,6 +48,7 @@ class GQAAttention:
         self.o = _linear(w, f"{prefix}.o_proj", kernels)
         self.rope = rope
         self.scale = cfg.softmax_scale
+        self.kernels = kernels
 
     def __call__(self, x: torch.Tensor, meta: BatchMeta, kv: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden]; kv: this layer's pool slab [2, pages, page_size, Hkv, D]."""
@@ -50,7 +62,7 @@ class GQAAttention:
         v_cache = kv[1].view(-1, Hkv, D)
         write_kv(k_cache, meta, k)
         write_kv(v_cache, meta, v)
-        out = paged_attention(q, k, k_cache, meta, self.scale, v, v_cache)  # [T, H, D]
+        out = attend(q, k, k_cache, meta, self.scale, self.kernels, v, v_cache)  # [T, H, D]
         return self.o(out.reshape(T, H * D))
 
 
@@ -76,6 +88,7 @@ class MLAAttention:
         self.o = _linear(w, f"{prefix}.o_proj", kernels)
         self.rope = rope
         self.scale = cfg.softmax_scale
+        self.kernels = kernels
 
     def __call__(self, x: torch.Tensor, meta: BatchMeta, latent: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden]; latent: this layer's pool slab [pages, page_size, R + dr]."""
@@ -97,6 +110,6 @@ class MLAAttention:
         q_lat = torch.einsum("thd,hdr->thr", q_nope, self.w_uk)  # [T, H, R]
         q_full = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, R + dr]
         # values are the latent's first R channels: [T, H, R]
-        out_lat = paged_attention(q_full, new, cache, meta, self.scale, v_dim=R)
+        out_lat = attend(q_full, new, cache, meta, self.scale, self.kernels, v_dim=R)
         out = torch.einsum("thr,hvr->thv", out_lat, self.w_uv)  # [T, H, dv]
         return self.o(out.reshape(T, H * self.dv))

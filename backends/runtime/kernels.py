@@ -1,6 +1,6 @@
-"""How the runtime's hot operations run on each device: linear layers and their settings.
+"""How the runtime's hot operations run on each device: linear layers, and the settings.
 
-One setting, read from the environment when a model loads (``KernelSettings.from_env``):
+Two settings, read from the environment when a model loads (``KernelSettings.from_env``):
 
 * ``PD_RUNTIME_LINEAR`` = ``auto`` (default) | ``torch``. ``auto`` pre-packs each float32
   weight of a CPU model once for oneDNN (``torch.ops.mkldnn``: the weight in oneDNN's blocked
@@ -9,6 +9,9 @@ One setting, read from the environment when a model loads (``KernelSettings.from
   AVX2 CI machine (SmolLM2 shapes, float32, min of 30): the LM head ``[49152, 576]`` 10.6 ms ->
   5.7 ms at 1 row and 26 -> 9 ms at 8 rows; gate/up ``[3072, 576]`` 1.18 -> 0.82 ms at 8 rows;
   equal at 512 rows (prefill). ``torch`` turns packing off.
+* ``PD_RUNTIME_ATTENTION`` = ``sdpa`` (default) | ``compiled``: decode attention as gather +
+  SDPA, or the ``torch.compile``'d kernel that reads KV pages in place
+  (:mod:`backends.runtime.decode_attn`).
 """
 
 from __future__ import annotations
@@ -20,21 +23,30 @@ import torch
 import torch.nn.functional as F
 
 LINEAR_CHOICES = ("auto", "torch")
+ATTENTION_CHOICES = ("sdpa", "compiled")
 
 
 @dataclass(frozen=True)
 class KernelSettings:
     linear: str = "auto"
+    attention: str = "sdpa"
 
     def __post_init__(self) -> None:
         if self.linear not in LINEAR_CHOICES:
             raise ValueError(
                 f"PD_RUNTIME_LINEAR must be one of {LINEAR_CHOICES}, got {self.linear!r}"
             )
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(
+                f"PD_RUNTIME_ATTENTION must be one of {ATTENTION_CHOICES}, got {self.attention!r}"
+            )
 
     @classmethod
     def from_env(cls) -> KernelSettings:
-        return cls(linear=os.environ.get("PD_RUNTIME_LINEAR", "auto"))
+        return cls(
+            linear=os.environ.get("PD_RUNTIME_LINEAR", "auto"),
+            attention=os.environ.get("PD_RUNTIME_ATTENTION", "sdpa"),
+        )
 
 
 def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:

@@ -26,6 +26,7 @@ compiled kernel that reads the pages in place (:mod:`backends.runtime.decode_att
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +84,13 @@ class BatchMeta:
             max_q=max_q,
             causal=causal,
         )
+
+    @cached_property
+    def key_valid(self) -> torch.Tensor:
+        """Decode batches: [B, L] bool, True where a sequence's one query sees the key."""
+        if self.mask is not None:
+            return self.mask[:, 0, 0, :]
+        return torch.ones(self.read_slots.shape, dtype=torch.bool, device=self.read_slots.device)
 
 
 def _check_and_table(
