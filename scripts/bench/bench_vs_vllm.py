@@ -12,12 +12,15 @@ Measurement, identical for both engines: greedy, random-id prompts, ``ignore_eos
 * decode tokens/s = ``B * (max_tokens - 1)`` / (time of a ``max_tokens`` run - that prefill time).
 
 Every number is the median of ``--runs`` runs; the outputs of the ``max_tokens`` runs must be
-token-identical (column ``same``).
+token-identical (column ``same``). ``--baseline-root DIR`` adds a third engine: this runtime as
+another checkout has it (e.g. ``git archive <commit>`` unpacked), measured in the same rotation,
+so one run gives the before and after ratios under the same load.
 
     scripts/bench/setup_vllm_peer.sh                          # once: /work/peer/vllm-venv
     .venv/bin/python scripts/bench/bench_vs_vllm.py           # table (markdown)
     .venv/bin/python scripts/bench/bench_vs_vllm.py --json    # one JSON object
     .venv/bin/python scripts/bench/bench_vs_vllm.py --configs 8x512 --runs 5 --dtypes float32
+    .venv/bin/python scripts/bench/bench_vs_vllm.py --baseline-root /tmp/base   # before / after
 
 Worker protocol (stdin / stdout, one JSON object a line): the orchestrator sends
 ``{"prompts": [[ids]], "max_tokens": n}``, the worker answers a line ``@@RESULT {"seconds": s,
@@ -49,8 +52,8 @@ def log(msg: str) -> None:
 
 
 class OursWorker:
-    def __init__(self, model: str, dtype: str, page_size: int):
-        sys.path.insert(0, ROOT)
+    def __init__(self, model: str, dtype: str, page_size: int, root: str):
+        sys.path.insert(0, root)
         from backends.runtime.engine import LLMEngine
         from backends.runtime.runner import ModelRunner
         from backends.runtime.sampler import SamplingParams
@@ -71,7 +74,7 @@ class OursWorker:
 
 
 class VLLMWorker:
-    def __init__(self, model: str, dtype: str, page_size: int):
+    def __init__(self, model: str, dtype: str, page_size: int, root: str):
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -89,7 +92,7 @@ class VLLMWorker:
 
 def worker_main(args) -> int:
     cls = OursWorker if args.worker == "ours" else VLLMWorker
-    worker = cls(args.model, args.dtype, args.page_size)
+    worker = cls(args.model, args.dtype, args.page_size, args.root)
     print(MARK + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -106,9 +109,10 @@ def worker_main(args) -> int:
 class Worker:
     """A worker process and its line protocol."""
 
-    def __init__(self, engine: str, python: str, args, dtype: str):
-        cmd = [python, os.path.abspath(__file__), "--worker", engine, "--dtype", dtype]
-        cmd += ["--model", args.model, "--page-size", str(args.page_size)]
+    def __init__(self, engine: str, python: str, args, dtype: str, root: str = ROOT):
+        kind = "vllm" if engine == "vllm" else "ours"
+        cmd = [python, os.path.abspath(__file__), "--worker", kind, "--dtype", dtype]
+        cmd += ["--model", args.model, "--page-size", str(args.page_size), "--root", root]
         env = dict(os.environ)
         if engine == "vllm":
             env.update(VLLM_CPU_OMP_THREADS_BIND=CPU_BIND, VLLM_CPU_KVCACHE_SPACE="4")
@@ -154,6 +158,8 @@ def measure(worker: Worker, prompts, max_tokens: int) -> tuple[float, float, lis
 
 def bench_dtype(args, dtype: str, configs: list[tuple[int, int]]) -> list[dict]:
     workers = {"ours": Worker("ours", sys.executable, args, dtype)}
+    if args.baseline_root:
+        workers["base"] = Worker("base", sys.executable, args, dtype, args.baseline_root)
     workers["vllm"] = Worker("vllm", args.vllm_python, args, dtype)
     rows = []
     try:
@@ -188,29 +194,38 @@ def summarize(batch, length, dtype, args, times, outputs) -> dict:
         row[f"{name}_decode_tok_s"] = statistics.median(dec)
         row[f"{name}_prefill_range"] = [min(pre), max(pre)]
         row[f"{name}_decode_range"] = [min(dec), max(dec)]
-    row["prefill_ratio"] = row["ours_prefill_tok_s"] / row["vllm_prefill_tok_s"]
-    row["decode_ratio"] = row["ours_decode_tok_s"] / row["vllm_decode_tok_s"]
-    a, b = outputs["ours"], outputs["vllm"]
-    row["same"] = a == b
-    row["same_seqs"] = sum(x == y for x, y in zip(a, b, strict=True))
+    for name in times:
+        if name == "vllm":
+            continue
+        pre = "" if name == "ours" else f"{name}_"
+        row[f"{pre}prefill_ratio"] = row[f"{name}_prefill_tok_s"] / row["vllm_prefill_tok_s"]
+        row[f"{pre}decode_ratio"] = row[f"{name}_decode_tok_s"] / row["vllm_decode_tok_s"]
+        a, b = outputs[name], outputs["vllm"]
+        row[f"{pre}same"] = a == b
+        row[f"{pre}same_seqs"] = sum(x == y for x, y in zip(a, b, strict=True))
     return row
 
 
 def table(rows: list[dict], runs: int) -> str:
+    """Markdown, one line per configuration and engine of ours (this checkout, the baseline)."""
     out = [
-        f"| config | dtype | prefill ours / vLLM tok/s | ratio | decode ours / vLLM tok/s | ratio"
-        f" | same (seqs) |  (medians of {runs})",
-        "|---|---|---:|---:|---:|---:|---|",
+        f"| config | dtype | runtime | prefill tok/s (vLLM) | ratio | decode tok/s (vLLM) | ratio"
+        f" | same as vLLM (medians of {runs}) |",
+        "|---|---|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        same = f"{'yes' if r['same'] else 'NO'} ({r['same_seqs']}/{r['batch']})"
-        out.append(
-            f"| {r['batch']} × {r['prompt']} | {r['dtype']} "
-            f"| {r['ours_prefill_tok_s']:.0f} / {r['vllm_prefill_tok_s']:.0f} "
-            f"| {r['prefill_ratio']:.2f} "
-            f"| {r['ours_decode_tok_s']:.1f} / {r['vllm_decode_tok_s']:.1f} "
-            f"| {r['decode_ratio']:.2f} | {same} |"
-        )
+        for name, pre in (("base", "base_"), ("ours", "")):
+            if f"{name}_prefill_tok_s" not in r:
+                continue
+            same = f"{'yes' if r[pre + 'same'] else 'NO'} ({r[pre + 'same_seqs']}/{r['batch']})"
+            out.append(
+                f"| {r['batch']} × {r['prompt']} | {r['dtype']} "
+                f"| {'baseline' if name == 'base' else 'this'} "
+                f"| {r[name + '_prefill_tok_s']:.0f} ({r['vllm_prefill_tok_s']:.0f}) "
+                f"| {r[pre + 'prefill_ratio']:.2f} "
+                f"| {r[name + '_decode_tok_s']:.1f} ({r['vllm_decode_tok_s']:.1f}) "
+                f"| {r[pre + 'decode_ratio']:.2f} | {same} |"
+            )
     return "\n".join(out)
 
 
@@ -230,9 +245,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--vllm-python", default=DEFAULT_PEER)
+    ap.add_argument("--baseline-root", help="also run this runtime from another checkout")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", choices=["ours", "vllm"], help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    ap.add_argument("--root", default=ROOT, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return worker_main(args)

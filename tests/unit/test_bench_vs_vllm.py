@@ -1,0 +1,40 @@
+"""scripts/bench/bench_vs_vllm.py without vLLM: the worker protocol of this runtime's worker on a
+tiny checkpoint, and the ratios / table built from measured times."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import bench_vs_vllm as bv
+import runtime_models as rm
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench", "bench_vs_vllm.py")
+
+
+def test_ours_worker_protocol():
+    cmd = [sys.executable, SCRIPT, "--worker", "ours", "--model", rm.checkpoint("llama")]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    prompts = [rm.random_prompt(5, seed=1), rm.random_prompt(9, seed=2)]
+    req = json.dumps({"prompts": prompts, "max_tokens": 4}) + "\n"
+    out, _ = proc.communicate(req, timeout=120)
+    lines = [json.loads(x[len(bv.MARK) :]) for x in out.splitlines() if x.startswith(bv.MARK)]
+    assert lines[0] == {"ready": True}
+    assert [len(o) for o in lines[1]["outputs"]] == [4, 4] and lines[1]["seconds"] > 0
+
+
+def test_summary_ratios_and_table():
+    class Args:
+        max_tokens = 5
+
+    times = {"ours": [(1.0, 3.0), (2.0, 4.0)], "base": [(2.0, 6.0)] * 2, "vllm": [(1.0, 5.0)] * 2}
+    outputs = {"ours": [[1, 2]], "base": [[1, 3]], "vllm": [[1, 2]]}
+    row = bv.summarize(1, 10, "float32", Args, times, outputs)
+    assert row["ours_prefill_tok_s"] == 7.5 and row["vllm_prefill_tok_s"] == 10.0
+    assert row["prefill_ratio"] == 0.75 and row["decode_ratio"] == 2.0  # 4 tokens: 2 s vs 4 s
+    assert row["same"] and not row["base_same"] and row["base_decode_ratio"] == 1.0
+    text = bv.table([row], 2)
+    assert "| 1 × 10 | float32 | baseline |" in text and "| 1 × 10 | float32 | this |" in text
+    assert bv.parse_configs(["8x512", "32X256"]) == [(8, 512), (32, 256)]
