@@ -21,6 +21,7 @@ so one run gives the before and after ratios under the same load.
     .venv/bin/python scripts/bench/bench_vs_vllm.py --json    # one JSON object
     .venv/bin/python scripts/bench/bench_vs_vllm.py --configs 8x512 --runs 5 --dtypes float32
     .venv/bin/python scripts/bench/bench_vs_vllm.py --baseline-root /tmp/base   # before / after
+    .venv/bin/python scripts/bench/bench_vs_vllm.py --table-from run.err  # table of logged rows
 
 Worker protocol (stdin / stdout, one JSON object a line): the orchestrator sends
 ``{"prompts": [[ids]], "max_tokens": n}``, the worker answers a line ``@@RESULT {"seconds": s,
@@ -33,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -188,6 +190,7 @@ def summarize(batch, length, dtype, args, times, outputs) -> dict:
     row = {"config": f"{batch}x{length}", "dtype": dtype, "batch": batch, "prompt": length}
     new = batch * (args.max_tokens - 1)
     for name, ts in times.items():
+        row[f"{name}_runs"] = ts  # (prefill s, full s) per run, in rotation order
         pre = [batch * length / t1 for t1, _ in ts]
         dec = [new / (tn - t1) for t1, tn in ts]
         row[f"{name}_prefill_tok_s"] = statistics.median(pre)
@@ -200,6 +203,7 @@ def summarize(batch, length, dtype, args, times, outputs) -> dict:
         pre = "" if name == "ours" else f"{name}_"
         row[f"{pre}prefill_ratio"] = row[f"{name}_prefill_tok_s"] / row["vllm_prefill_tok_s"]
         row[f"{pre}decode_ratio"] = row[f"{name}_decode_tok_s"] / row["vllm_decode_tok_s"]
+        row.update(in_run_ratios(pre, times[name], times["vllm"]))
         a, b = outputs[name], outputs["vllm"]
         row[f"{pre}same"] = a == b
         row[f"{pre}same_seqs"] = sum(x == y for x, y in zip(a, b, strict=True))
@@ -209,8 +213,8 @@ def summarize(batch, length, dtype, args, times, outputs) -> dict:
 def table(rows: list[dict], runs: int) -> str:
     """Markdown, one line per configuration and engine of ours (this checkout, the baseline)."""
     out = [
-        f"| config | dtype | runtime | prefill tok/s (vLLM) | ratio | decode tok/s (vLLM) | ratio"
-        f" | same as vLLM (medians of {runs}) |",
+        f"| config | dtype | runtime | prefill tok/s (vLLM) | ratio (in-run) "
+        f"| decode tok/s (vLLM) | ratio (in-run) | same as vLLM | (medians of {runs} runs)",
         "|---|---|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
@@ -222,11 +226,45 @@ def table(rows: list[dict], runs: int) -> str:
                 f"| {r['batch']} × {r['prompt']} | {r['dtype']} "
                 f"| {'baseline' if name == 'base' else 'this'} "
                 f"| {r[name + '_prefill_tok_s']:.0f} ({r['vllm_prefill_tok_s']:.0f}) "
-                f"| {r[pre + 'prefill_ratio']:.2f} "
+                f"| {r[pre + 'prefill_ratio']:.2f} ({r[pre + 'prefill_ratio_in_run']:.2f}) "
                 f"| {r[name + '_decode_tok_s']:.1f} ({r['vllm_decode_tok_s']:.1f}) "
-                f"| {r[pre + 'decode_ratio']:.2f} | {same} |"
+                f"| {r[pre + 'decode_ratio']:.2f} ({r[pre + 'decode_ratio_in_run']:.2f}) | {same} |"
             )
     return "\n".join(out)
+
+
+def in_run_ratios(pre: str, ours: list, vllm: list) -> dict:
+    """Median over runs of (run r of ours) / (run r of vLLM): the two ran next to each other."""
+    pairs = list(zip(ours, vllm, strict=True))
+    return {
+        f"{pre}prefill_ratio_in_run": statistics.median(v[0] / o[0] for o, v in pairs),
+        f"{pre}decode_ratio_in_run": statistics.median(
+            (v[1] - v[0]) / (o[1] - o[0]) for o, v in pairs
+        ),
+    }
+
+
+def rows_from_log(path: str) -> list[dict]:
+    """The summary rows a run logged, with in-run ratios rebuilt from its per-run lines."""
+    rows, runs = [], {}
+    with open(path) as f:
+        for line in f:
+            if line.startswith("[bench] {"):
+                rows.append(json.loads(line[len("[bench] ") :]))
+            elif m := re.match(
+                r"\[bench\] (\d+)x(\d+) (\w+) run \d+ (\w+): ([\d.]+) s, ([\d.]+) s", line
+            ):
+                b, n, dtype, name, t1, tn = m.groups()
+                runs.setdefault((f"{b}x{n}", dtype, name), []).append((float(t1), float(tn)))
+    out = []
+    for r in rows:
+        times = {k[2]: v for k, v in runs.items() if k[:2] == (r["config"], r["dtype"])}
+        if "vllm" in times and "vllm_runs" not in r:  # a log from before rows kept their runs
+            for name, pre in (("ours", ""), ("base", "base_")):
+                if name in times:
+                    r.update(in_run_ratios(pre, times[name], times["vllm"]))
+        out.append(r)
+    return out
 
 
 def parse_configs(specs: list[str]) -> list[tuple[int, int]]:
@@ -246,6 +284,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--vllm-python", default=DEFAULT_PEER)
     ap.add_argument("--baseline-root", help="also run this runtime from another checkout")
+    ap.add_argument("--table-from", help="print the table of the rows logged (stderr) by a run")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", choices=["ours", "vllm"], help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
@@ -253,6 +292,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return worker_main(args)
+    if args.table_from:  # e.g. a run cut short: every finished configuration is logged
+        print(table(rows_from_log(args.table_from), args.runs))
+        return 0
     if not os.path.exists(args.vllm_python):
         sys.exit(f"no vLLM peer at {args.vllm_python}: run scripts/bench/setup_vllm_peer.sh")
     rows = []

@@ -34,6 +34,7 @@ def test_summary_ratios_and_table():
     row = bv.summarize(1, 10, "float32", Args, times, outputs)
     assert row["ours_prefill_tok_s"] == 7.5 and row["vllm_prefill_tok_s"] == 10.0
     assert row["prefill_ratio"] == 0.75 and row["decode_ratio"] == 2.0  # 4 tokens: 2 s vs 4 s
+    assert row["prefill_ratio_in_run"] == 0.75 and row["decode_ratio_in_run"] == 2.0
     assert row["same"] and not row["base_same"] and row["base_decode_ratio"] == 1.0
     text = bv.table([row], 2)
     assert "| 1 × 10 | float32 | baseline |" in text and "| 1 × 10 | float32 | this |" in text
