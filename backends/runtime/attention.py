@@ -37,7 +37,12 @@ def attend(q, k_new, k_cache, meta, scale, kernels, v_new=None, v_cache=None, v_
 
 class GQAAttention:
     def __init__(
-        self, cfg: ModelConfig, w: WeightReader, prefix: str, rope: RotaryEmbedding, kernels
+        self,
+        cfg: ModelConfig,
+        w: WeightReader,
+        prefix: str,
+        rope: RotaryEmbedding,
+        kernels: KernelSettings,
     ):
         self.H, self.Hkv, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q, k, v = (w.get(f"{prefix}.{n}_proj.weight") for n in ("q", "k", "v"))
@@ -68,7 +73,12 @@ class GQAAttention:
 
 class MLAAttention:
     def __init__(
-        self, cfg: ModelConfig, w: WeightReader, prefix: str, rope: RotaryEmbedding, kernels
+        self,
+        cfg: ModelConfig,
+        w: WeightReader,
+        prefix: str,
+        rope: RotaryEmbedding,
+        kernels: KernelSettings,
     ):
         self.H = cfg.num_heads
         self.dn, self.dr, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim

@@ -20,7 +20,14 @@ from .weights import WeightReader
 
 
 class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, w: WeightReader, i: int, rope: RotaryEmbedding, kernels):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        w: WeightReader,
+        i: int,
+        rope: RotaryEmbedding,
+        kernels: KernelSettings,
+    ):
         p = f"model.layers.{i}"
         attn_cls = GQAAttention if cfg.attn == "gqa" else MLAAttention
         self.attn = attn_cls(cfg, w, f"{p}.self_attn", rope, kernels)
