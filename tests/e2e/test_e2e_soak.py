@@ -1,0 +1,25 @@
+"""The soak's CI variant: scripts/soak.py with 200 mixed requests (cancels, injected transfer
+faults, a prefill stage process killed half way) against a real server of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_soak_200_requests_end_well_and_leak_nothing():
+    env = dict(os.environ, GLOG_minloglevel="2")
+    cmd = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--requests", "200", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
+    assert proc.stdout.strip(), f"soak printed nothing; stderr tail:\n{proc.stderr[-3000:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    failed = {k: v for k, v in result.get("checks", {}).items() if not v}
+    assert result["ok"], f"failed checks {failed}; result {result}"
+    assert proc.returncode == 0
+    assert result["requests"] == 200
+    assert result["prefill_reloads"] >= 1, "the killed prefill process was not reloaded"
