@@ -120,6 +120,10 @@ class PeerBook:
     def known(self, ident: bytes) -> Peer | None:
         return self._peers.get(ident)
 
+    def items(self):
+        """(connection identity, peer) pairs."""
+        return self._peers.items()
+
     def check(self, ident: bytes, peer_address: str | None, reg: m.Register) -> None:
         """RegistrationError unless ``reg`` is consistent with what ``ident`` proved before."""
         host = session_host(reg.session_id)

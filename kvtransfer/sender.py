@@ -255,9 +255,13 @@ class KVSender(SenderInbox, ControlLoop):
             done(False)
             return
         fence, room = self.faults.delayed(fence), r.room
-        self.engine.submit(
-            r.claim.reg.session_id, transfers, done, fence, lambda: self.is_live(room)
-        )
+        try:
+            self.engine.submit(
+                r.claim.reg.session_id, transfers, done, fence, lambda: self.is_live(room)
+            )
+        except Exception as e:  # e.g. the engine closed: this group fails, the loop goes on
+            log.warning("room %s: submitting layers %s failed: %s", room, layers, e)
+            done(False)
 
     def _group_done(self, room: int, role: str, layers: range, ok: bool) -> None:
         r = self.rooms.get(room)

@@ -121,21 +121,40 @@ class SenderInbox:
         self._pending[reg.room] = (ident, reg, time.monotonic())
 
     def _on_abort(self, ident: bytes, msg: m.Abort) -> None:
-        """An Abort touches a room only if this connection registered it: its claim, its pending
-        or held registration. Anyone else only hears that nothing of ours writes into its pages
-        for that room (true: it has no claim), so one peer can never end another peer's room."""
-        owned = self._drop_registration(ident, msg.room)
+        """An Abort ends a room that this connection registered (its claim, its pending or held
+        registration) or that nobody registered yet (a decode that refused the request before
+        registering says so this way). A room another connection registered is left alone: the
+        sender only hears that nothing of ours writes into its pages for that room (true: it
+        has no claim), so one peer can never end another peer's room."""
+        if self._registered_by_other(ident, msg.room):
+            self.drop("hostile", f"room {msg.room}: abort by a peer that does not own it")
+            self.send(self.router, m.Fail(msg.room, f"room not active: {msg.reason}"), ident)
+            return
+        self._drop_registration(ident, msg.room)
         r = self.rooms.get(msg.room)
-        if r is not None and r.claim is not None and r.claim.ident == ident and not r.status.ended:
+        if r is not None and r.claim is not None and not r.status.ended:
             # decode holds its pages until our Fail says no write is in flight any more
             self._fail(msg.room, f"aborted by decode: {msg.reason}", True)
             return
-        if owned and r is not None and r.claim is None and not r.status.ended:
+        if r is not None and r.claim is None and not r.status.ended:
             self._fail(msg.room, f"aborted by decode: {msg.reason}", False)
-        elif owned and r is None and not self.rooms.ended(msg.room):
+        elif r is None and not self.rooms.ended(msg.room):
             self._end_early(msg.room, f"aborted by decode: {msg.reason}")  # not queued yet
-        if r is None or r.claim is None or r.claim.ident != ident or r.released:
+        if r is None or r.claim is None or r.released:
             self.send(self.router, m.Fail(msg.room, f"room not active: {msg.reason}"), ident)
+
+    def _registered_by_other(self, ident: bytes, room: int) -> bool:
+        """Another connection claimed ``room`` or has a pending or held registration of it."""
+        r = self.rooms.get(room)
+        if r is not None and r.claim is not None:
+            return r.claim.ident != ident
+        pending = self._pending.get(room)
+        if pending is not None:
+            return pending[0] != ident
+        return any(
+            other != ident and any(reg.room == room for reg in peer.held)
+            for other, peer in self.peers.items()
+        )
 
     def _drop_registration(self, ident: bytes, room: int) -> bool:
         """Forget this connection's pending or held registration of ``room``; True if it had one."""

@@ -144,3 +144,15 @@ def test_cancel_while_queued_for_pages_ends_it_and_spares_the_others(small):
     assert result["a"][2] is None and result["a"][1] == colocated([a_ids], NEW)[0]
     m = wait_pages_free(small, 30)
     assert [m[("pd_kv_pages_in_use", s)] for s in ("prefill", "decode")] == [0, 0]
+
+
+def test_a_request_the_decode_pool_can_never_hold_is_refused_at_once(small):
+    ids = np.random.default_rng(7).integers(10, 40000, 300).tolist()
+    # 300 + 200 - 1 tokens fit max_context (512) but need 32 pages of 16; the decode pool has 30
+    _, got, err = grpc_ask(small.grpc, {"input_ids": ids, "max_tokens": 200}, timeout=60)
+    assert err is not None and "can never run here" in err and "30" in err, err
+    assert not got
+    m = wait_pages_free(small, 60)
+    assert [m[("pd_kv_pages_in_use", s)] for s in ("prefill", "decode")] == [0, 0]
+    ok = grpc_ask(small.grpc, {"text_input": "Hello", "max_tokens": 4})
+    assert ok[2] is None and ok[1]

@@ -136,3 +136,13 @@ def test_client_cancel_mid_stream_frees_pages(server):
     assert generated < 200  # it stopped early
     ok = http_generate(server, {"text_input": "Hello", "max_tokens": 3})
     assert ok["status"] == 200
+
+
+def test_a_vanishing_temperature_samples_the_greedy_tokens(server):
+    """temperature=1e-38 once surfaced torch's "probability tensor contains inf" to the client."""
+    base = {"text_input": "The capital of France is", "max_tokens": 6, "ignore_eos": True}
+    _, greedy, err = grpc_ask(server.grpc, base)
+    assert err is None and greedy
+    _, tiny, err = grpc_ask(server.grpc, {**base, "temperature": 1e-38, "seed": 3})
+    assert err is None, err
+    assert tiny == greedy

@@ -189,24 +189,23 @@ def test_replayed_and_unsigned_messages_are_dropped(pair):
 
 
 def test_aborts_from_a_peer_that_does_not_own_the_room_change_nothing(pair):
-    """Another authenticated peer aborts the legitimate rooms by id: before anything knows the
-    room, while prefill waits for its registration, and after decode claimed it. Each time it
-    only hears "room not active", and the owner's room still arrives byte for byte."""
+    """Another authenticated peer aborts a legitimate room by id while decode's registration
+    waits for prefill, and again after prefill claimed it. Each time it only hears "room not
+    active", and the owner's room still arrives byte for byte."""
     prefill, decode, attacker = pair
     s = attacker.connect()
-    s.send(m.encode(m.Abort(1, "hostile"), SECRET))  # nothing knows room 1 yet
-    prefill.alloc_pages(2, {"target": 6})
-    prefill.start_room(2)  # prefill expects room 2; no registration yet
-    s.send(m.encode(m.Abort(2, "hostile"), SECRET))
-    replies = attacker.answers(s, 3)
-    assert [type(a) for a in replies] == [m.Fail, m.Fail], replies
-    assert all("not active" in a.reason for a in replies), replies
     legit_room(prefill, decode, 1)
+    prefill.alloc_pages(2, {"target": 6})
     decode.alloc_pages(2, {"target": 8})
     decode.register(2, [prefill.info["bootstrap_addr"]], TOKENS)
-    time.sleep(0.5)  # room 2 is claimed by decode now
+    time.sleep(0.5)  # decode's registration of room 2 is pending at prefill
     s.send(m.encode(m.Abort(2, "hostile"), SECRET))
-    attacker.answers(s, 1)
+    prefill.start_room(2)  # prefill claims decode's registration
+    time.sleep(0.5)
+    s.send(m.encode(m.Abort(2, "hostile"), SECRET))
+    replies = attacker.answers(s, 2)
+    assert [type(a) for a in replies] == [m.Fail, m.Fail], replies
+    assert all("not active" in a.reason for a in replies), replies
     prefill.run_prefill(2, [("target", 0, 2), ("target", 2, 4)], 0.0, 0.0, 5, None)
     assert tuple(decode.wait(2, 60)) == ("Success", "")
     assert decode.digest(2, "target", 6) == prefill.digest(2, "target", 6)
