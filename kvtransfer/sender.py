@@ -33,6 +33,7 @@ from .layout import EntryLayout, group_transfers
 from .proof import ProofChecker
 from .registration import PeerBook, RegistrationError, check_entries
 from .sender_inbox import MAX_PENDING_REGISTRATIONS, SenderInbox
+from .sender_staging import SenderStaging
 from .state import Claim, RoomStatus, SenderRoom
 
 log = logging.getLogger(__name__)
@@ -43,12 +44,18 @@ def _register_frame_limit(layouts: dict[str, EntryLayout]) -> int:
     return 4096 + sum(512 + 9 * lay.num_pages for lay in layouts.values())
 
 
-class KVSender(SenderInbox, ControlLoop):
+class KVSender(SenderStaging, SenderInbox, ControlLoop):
+    """``tensors`` (role -> the pool's tensor, optional): enables staged transfers for
+    fragmented page tables (see :mod:`.sender_staging`)."""
+
     name = "kv-sender"
 
-    def __init__(self, config: TransferConfig, layouts: dict[str, EntryLayout]):
+    def __init__(
+        self, config: TransferConfig, layouts: dict[str, EntryLayout], tensors: dict | None = None
+    ):
         super().__init__(config)
         self.open_engine(layouts)
+        self.init_staging(tensors)
         self.faults = Faults.from_env()
         if self.faults.active:
             log.warning("kv-sender: FAULT INJECTION active (%s): for tests only", self.faults)
@@ -124,6 +131,7 @@ class KVSender(SenderInbox, ControlLoop):
     def stats(self) -> dict:
         snap = super().stats()
         snap["pending_registrations"] = len(self._pending)
+        snap["staged"] = dict(self.staged)
         return snap
 
     def close(self) -> None:
@@ -233,7 +241,7 @@ class KVSender(SenderInbox, ControlLoop):
             self._launch(r, role, layers, fence)
 
     def _launch(self, r: SenderRoom, role: str, layers: range, fence=None) -> None:
-        src = r.src_pages[role]
+        src, fence = r.src_pages[role], self.faults.delayed(fence)
         try:
             transfers = group_transfers(
                 self.layouts[role], r.claim.dst[role], src, r.claim.dst_pages(role), layers
@@ -241,20 +249,25 @@ class KVSender(SenderInbox, ControlLoop):
         except (ValueError, IndexError) as e:
             self._fail(r.room, f"bad page table: {e}", True)
             return
+        r.outstanding += 1
+        self.advance(r, RoomStatus.Transferring)
+        if self.faults.fails(r.room):
+            self.call(self._group_done, r.room, role, layers, False)
+            return
+        if len(transfers) > len(layers) * self.layouts[role].components and self.use_staging(
+            r, role
+        ):
+            self.stage_group(r, role, layers, fence)  # few large writes instead of many copies
+            return
         g = self.transfer_stats.group_submitted(
             r.room, role, layers, sum(t.length for t in transfers), len(transfers)
         )
-        r.outstanding += 1
-        self.advance(r, RoomStatus.Transferring)
 
         def done(ok: bool, room=r.room, g=g) -> None:  # on a transfer worker
             self.transfer_stats.group_done(g, ok)
             self.call(self._group_done, room, role, layers, ok)
 
-        if self.faults.fails(r.room):
-            done(False)
-            return
-        fence, room = self.faults.delayed(fence), r.room
+        room = r.room
         self.engine.submit(
             r.claim.reg.session_id, transfers, done, fence, lambda: self.is_live(room)
         )
@@ -294,6 +307,8 @@ class KVSender(SenderInbox, ControlLoop):
         if r is None or not self.advance(r, RoomStatus.Failed, reason):
             return
         r.tell_decode = tell_decode
+        if room in self._stage_rooms:
+            self.stage_pump()  # its staged groups not in flight end now
         if r.outstanding == 0:
             self._drained(r)
 
@@ -304,7 +319,14 @@ class KVSender(SenderInbox, ControlLoop):
             self.send(self.router, m.Fail(r.room, r.reason), r.claim.ident)
         self.release(r)
 
+    def release(self, r: SenderRoom) -> None:
+        super().release(r)
+        if r.released:
+            self.stage_forget(r.room)
+
     def on_tick(self, now: float) -> None:
+        if self._stage_rooms:
+            self.stage_pump()  # compute fences of staged groups are polled here
         ttl = self.config.bootstrap_timeout_s
         for room in [k for k, v in self._pending.items() if now - v[2] > ttl]:
             self.peers.remove_pending(self._pending.pop(room)[0])  # nobody here took it

@@ -92,6 +92,7 @@ class SenderRoom(Room):
 class ReceiverRoom(Room):
     addrs: list[str]  # prefill bootstrap addresses the Register went to
     roles: list[str]  # entries decode registered pages in
+    pages: dict[str, list[int]] = field(default_factory=dict)  # role -> the registered pages
     num_tokens: int
     epochs: dict[str, int] = field(default_factory=dict)  # peer connection epoch at Register
     on_fail: Callable[[int, str], None] | None = None  # at once when it fails (pages may wait)
