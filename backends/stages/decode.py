@@ -76,7 +76,11 @@ class DecodeWorker(DecodeControl):
                 self.runner, self.pool, spec, params.max_batch, params.max_context
             )
         cfg = params.transfer_config()
-        self.receiver = KVReceiver(cfg, {role: p.layout for role, p in self.pools.items()})
+        self.receiver = KVReceiver(
+            cfg,
+            {role: p.layout for role, p in self.pools.items()},
+            {role: p.tensor for role, p in self.pools.items()},  # staged transfers
+        )
         # clients cancel through this channel too (see backends/stages/cancel.py)
         self.cancel_listener = CancelListener(cfg.host, self.cancel, cfg.shared_secret)
         self.cancel_addr = self.cancel_listener.addr

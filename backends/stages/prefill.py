@@ -93,6 +93,7 @@ class PrefillWorker:
         self.sender = KVSender(
             params.transfer_config(instance_index),
             {role: pool.layout for role, pool in self._pools()},
+            {role: pool.tensor for role, pool in self._pools()},  # staged transfers
         )
         self.bootstrap_addr = self.sender.bootstrap_addr
         self.name = f"{name}{instance_index}"
