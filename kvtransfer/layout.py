@@ -256,10 +256,14 @@ def staging_rows(
     bad = [p for p in pages if not 0 <= p < lay.num_pages]
     if bad:
         raise IndexError(f"pages {bad[:4]} outside [0, {lay.num_pages})")
-    rows = []
-    for u in range(start, start + count):
+    rows: list[int] = []
+    u, end = start, start + count
+    while u < end:  # one (layer, component) slab at a time
         slab = (layers.start + u // (comps * n)) * comps + (u // n) % comps
-        rows.append(slab * lay.num_pages + pages[u % n])
+        a, b = u % n, min(n, u % n + end - u)
+        base = slab * lay.num_pages
+        rows.extend([base + p for p in pages[a:b]])
+        u += b - a
     return rows
 
 

@@ -99,6 +99,8 @@ class SenderStaging:
     def on_grant(self, ident: bytes, g: m.Grant) -> None:
         r = self.rooms.get(g.room)
         rs = self._stage_rooms.get(g.room)
+        if r is None and self.rooms.ended(g.room):
+            return  # the slot came back after the room's last chunk: nothing to do
         if r is None or rs is None or r.claim is None or r.claim.ident != ident:
             self.drop("unexpected", f"grant for room {g.room} that is not staging here")
             return
