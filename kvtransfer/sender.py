@@ -136,6 +136,7 @@ class KVSender(SenderStaging, SenderInbox, ControlLoop):
 
     def close(self) -> None:
         self.proofs.close()
+        self.close_staging()
         super().close()
 
     # ---- loop thread: the stage's calls --------------------------------------------------------

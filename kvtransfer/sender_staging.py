@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from . import messages as m
 from .layout import Transfer, group_units, mean_copy_bytes, staging_rows
 from .staging import StagingArea, fence_ready, is_device_event
+from .writer import SlotWriter
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class SenderStaging:
                 tensors, self.layouts, cfg.staging_slots, cfg.staging_slot_bytes
             )
             self.engine.register(self.staging.addr, self.staging.nbytes)
+            self.writer = SlotWriter(self.engine.native)
         self._stage_rooms: OrderedDict[int, _RoomStage] = OrderedDict()
         self._local_free = list(range(cfg.staging_slots))
         self._gathered: deque[_Chunk] = deque()
@@ -168,14 +170,13 @@ class SenderStaging:
         reg = r.claim.reg
         nbytes = c.count * self.layouts[c.task.role].page_bytes
         dst = reg.staging_addr + c.remote * reg.staging_slot_bytes
-        xfer = [Transfer(self.staging.slot_addr(c.local), dst, nbytes)]
+        xfer = Transfer(self.staging.slot_addr(c.local), dst, nbytes)
         self._writes += 1
-        room = r.room
 
         def done(ok: bool) -> None:  # on a transfer worker
             self.call(self._chunk_done, c, ok, True)
 
-        self.engine.submit(reg.session_id, xfer, done, c.fence, lambda: self.is_live(room))
+        self.writer.submit(reg.session_id, xfer, done, c.fence)
 
     def _chunk_done(self, c: _Chunk, ok: bool, was_written: bool = False) -> None:
         t = c.task
@@ -198,6 +199,10 @@ class SenderStaging:
         self.staged["groups"] += int(ok)
         self.transfer_stats.group_done(t.stat, ok)
         self._group_done(t.room, t.role, t.layers, ok)
+
+    def close_staging(self) -> None:
+        if self.staging is not None:
+            self.writer.close()
 
     def stage_forget(self, room: int) -> None:
         rs = self._stage_rooms.get(room)

@@ -193,7 +193,13 @@ def bench_cell(name: str, page_size: int, args) -> dict:
     layout_kw = dict(
         name=name, dtype=args.dtype, page_size=page_size, num_pages=pool_pages, layers=args.layers
     )
-    config_kw = dict(host="127.0.0.1", staging_slot_bytes=int(args.slot_mb * (1 << 20)))
+    config_kw = dict(
+        host="127.0.0.1",
+        staging_slot_bytes=int(args.slot_mb * (1 << 20)),
+        staging_inflight=args.inflight,
+        staging_slots=args.inflight + 1,
+        staging_grants_per_room=args.inflight + 1,
+    )
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(
@@ -333,6 +339,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--layers", type=int, default=None, help="cap layers (memory/time)")
     ap.add_argument("--slot-mb", type=float, default=8.0, help="staging slot size (MiB)")
+    ap.add_argument("--inflight", type=int, default=2, help="staged writes in flight")
     ap.add_argument("--raw-batch", type=int, default=1024, help="raw batch size (entries)")
     ap.add_argument(
         "--raw-max-copies",
