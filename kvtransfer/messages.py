@@ -19,7 +19,8 @@ Version history:
   4 — staged transfers for fragmented page tables: Register declares decode's staging region
       (``staging_addr`` / ``staging_slots`` / ``staging_slot_bytes``, none: 0); Want (prefill
       asks for slots for a room), Grant (decode lends one slot to that room), Staged (a chunk
-      landed in a granted slot; decode scatters it into the room's own pages).
+      landed in a granted slot; decode scatters it into the room's own pages); FirstToken
+      (prefill sends the room's first token as soon as it is sampled, before the KV landed).
 """
 
 from __future__ import annotations
@@ -136,7 +137,18 @@ class Staged(msgspec.Struct, tag="staged", frozen=True):
     count: int
 
 
-Message = Register | Ack | Complete | Fail | Abort | Ping | Pong | Cancel | Want | Grant | Staged
+class FirstToken(msgspec.Struct, tag="first_token", frozen=True):
+    """prefill -> decode: the room's first token, sampled; its KV may still be in flight
+    (Complete repeats it and is what lets decode run the room)."""
+
+    room: int
+    token: int
+
+
+Message = (
+    Register | Ack | Complete | Fail | Abort | Ping | Pong | Cancel | Want | Grant | Staged
+    | FirstToken
+)  # fmt: skip
 
 
 class Envelope(msgspec.Struct, frozen=True):

@@ -94,10 +94,13 @@ class KVReceiver(ReceiverStaging, ControlLoop):
         num_tokens: int,
         on_release: ReleaseCallback,
         on_fail=None,
+        on_first=None,
     ) -> None:
         """Register the prompt's pages of every entry (``dst_pages``: role -> page ids).
         ``on_fail(room, reason)`` runs as soon as the room fails; ``on_release(room, status)``
-        when its pages may be reused (later, while they are quarantined)."""
+        when its pages may be reused (later, while they are quarantined); ``on_first(room,
+        token)`` when prefill sent the first token (before the KV landed). All on the control
+        thread."""
         if not bootstrap_addrs:
             raise ValueError(f"room {room}: no prefill bootstrap address")
         addrs = [check_address(a) for a in bootstrap_addrs]
@@ -123,7 +126,7 @@ class KVReceiver(ReceiverStaging, ControlLoop):
             self.token.token,
             **self.staging_fields(),
         )
-        self.call_sync(self._register, reg, addrs, on_release, on_fail)
+        self.call_sync(self._register, reg, addrs, on_release, on_fail, on_first)
 
     def refuse(self, room: int, bootstrap_addrs: list[str], reason: str) -> None:
         """Tell prefill this room will never be registered (decode refused the request), so it
@@ -183,12 +186,13 @@ class KVReceiver(ReceiverStaging, ControlLoop):
         mon.close(linger=0)
         sock.close(linger=0)
 
-    def _register(self, reg: m.Register, addrs: list[str], on_release, on_fail) -> None:
+    def _register(self, reg: m.Register, addrs: list[str], on_release, on_fail, on_first) -> None:
         peers = [self._peer(a) for a in addrs]  # a bad address fails here, before any room
         r = ReceiverRoom(
             room=reg.room,
             on_release=on_release,
             on_fail=on_fail,
+            on_first=on_first,
             deadline=time.monotonic() + self.config.bootstrap_timeout_s,
             addrs=addrs,
             roles=[e.role for e in reg.entries],
@@ -292,6 +296,12 @@ class KVReceiver(ReceiverStaging, ControlLoop):
                 self.transfer_stats.group_done(r.stat, True)
                 self.advance(r, RoomStatus.Success)
                 self.release(r)
+        elif isinstance(msg, m.FirstToken) and claimed == peer.addr:
+            if r.on_first is not None and msg.token >= 0:
+                try:
+                    r.on_first(r.room, msg.token)
+                except Exception:
+                    log.exception("kv-receiver: on_first of room %d raised", r.room)
         elif isinstance(msg, (m.Want, m.Staged)) and claimed == peer.addr:
             (self.on_want if isinstance(msg, m.Want) else self.on_staged)(r, msg)
         else:

@@ -18,6 +18,7 @@ AND no write reading its pages is still in flight, so the caller may then free t
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 
@@ -110,6 +111,10 @@ class KVSender(SenderStaging, SenderInbox, ControlLoop):
         if not (0 <= layers.start < layers.stop <= lay.num_layers and layers.step == 1):
             raise ValueError(f"layers {layers} outside [0, {lay.num_layers}) of entry {role}")
         self.call(self._send_group, room, role, layers, fence)
+
+    def first_token(self, room: int, token: int) -> None:
+        """Send the room's first token to decode now (FirstToken), before its KV landed."""
+        self.call(self._first_token, room, int(token))
 
     def finish(self, room: int, first_token: int, extra: dict | None = None) -> None:
         """Send Complete with the aux data once all queued writes of the room have landed."""
@@ -214,6 +219,8 @@ class KVSender(SenderStaging, SenderInbox, ControlLoop):
             self.router, m.Ack(r.room, {k: v.signature() for k, v in self.layouts.items()}), ident
         )
         self.advance(r, RoomStatus.WaitingForInput)
+        if r.first_token is not None:
+            self.send(self.router, m.FirstToken(r.room, r.first_token), ident)
         if r.src_pages is None:  # registered, waiting for the compute thread (backpressure)
             r.deadline = time.monotonic() + self.config.queue_timeout_s
         else:
@@ -252,8 +259,9 @@ class KVSender(SenderStaging, SenderInbox, ControlLoop):
             return
         r.outstanding += 1
         self.advance(r, RoomStatus.Transferring)
-        if self.faults.fails(r.room):
-            self.call(self._group_done, r.room, role, layers, False)
+        if self.faults.fails(r.room):  # after the delay, if any: a write that fails late
+            fail = (self.call, self._group_done, r.room, role, layers, False)
+            threading.Timer(self.faults.delay_s, fail[0], fail[1:]).start()
             return
         if len(transfers) > len(layers) * self.layouts[role].components and self.use_staging(
             r, role
@@ -285,6 +293,15 @@ class KVSender(SenderStaging, SenderInbox, ControlLoop):
             self._maybe_complete(r)
         elif r.outstanding == 0:
             self._drained(r)
+
+    def _first_token(self, room: int, token: int) -> None:
+        r = self.rooms.get(room)
+        if r is None or r.status.ended:
+            return
+        if r.claim is None:
+            r.first_token = token  # goes out right after the Ack
+        else:
+            self.send(self.router, m.FirstToken(room, token), r.claim.ident)
 
     def _finish(self, room: int, first_token: int, extra: dict) -> None:
         r = self.rooms.get(room)

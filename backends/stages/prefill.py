@@ -341,6 +341,7 @@ class PrefillWorker:
         gen = req.sampling.make_generator(self.runner.device)
         first = sample(logits[None], [req.sampling], [gen])[0]
         t["computed"] = time.time()
+        self.sender.first_token(req.room, first)  # decode streams it before the KV lands
         if self.draft is not None:  # the draft's prompt KV: computed here, sent as entry 2
             if self.draft_is_prefix:
                 copy_prefix_kv(self.pool, pages["target"], self.draft_pool, pages[DRAFT])
