@@ -74,14 +74,16 @@ class SenderStaging:
         self.staged = {"groups": 0, "chunks": 0, "bytes": 0}  # landed through staging
 
     def use_staging(self, r, role: str) -> bool:
-        """Stage this room's groups of ``role``: both sides can, and direct copies are small."""
-        reg, st = r.claim.reg, self.staging
+        """Stage this room's groups of ``role``: both sides can, the table is not one run, and
+        the direct copies would be small (``staging_min_copy_bytes``)."""
+        reg, st, lay = r.claim.reg, self.staging, self.layouts[role]
         if st is None or reg.staging_slots < 1 or st.fits(role) < 1:
             return False
-        if reg.staging_slot_bytes < self.layouts[role].page_bytes:
+        if reg.staging_slot_bytes < lay.page_bytes:
             return False
-        src, dst = r.src_pages[role], r.claim.dst_pages(role)
-        return mean_copy_bytes(self.layouts[role], src, dst) < self.config.staging_min_copy_bytes
+        src = r.src_pages[role]
+        mean = mean_copy_bytes(lay, src, r.claim.dst_pages(role))
+        return mean < min(self.config.staging_min_copy_bytes, len(src) * lay.page_bytes)
 
     def stage_group(self, r, role: str, layers: range, fence) -> None:
         lay = self.layouts[role]
