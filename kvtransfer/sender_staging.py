@@ -130,6 +130,9 @@ class SenderStaging:
                 if t is None or not self._fence_ready(t):
                     break
                 self._gather(r, rs, t)
+                if self.has_commands():  # e.g. a FirstToken: let it out before the next gather
+                    self.call(self.stage_pump)
+                    break
             while rs.tasks and rs.tasks[0].done:
                 t = rs.tasks.popleft()
                 self._retire(t, ok=t.ok and live)

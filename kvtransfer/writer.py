@@ -11,6 +11,7 @@ each write once its fence is done and polls every write in flight with short sle
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -21,6 +22,7 @@ from .layout import Transfer
 log = logging.getLogger(__name__)
 
 POLL_S = 0.0002
+NICE = 10
 
 
 class SlotWriter:
@@ -38,6 +40,10 @@ class SlotWriter:
         self._queue.put((session, t, callback, fence))
 
     def _run(self) -> None:
+        try:  # a poller: let compute threads win the CPU (Linux: per-thread nice)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        except (AttributeError, OSError):
+            pass
         while not self._closed:
             try:
                 self._loop()
