@@ -92,6 +92,10 @@ class ControlLoop:
             pass
         return fut
 
+    def has_commands(self) -> bool:
+        """Commands are waiting for the loop thread (long work there can yield to them)."""
+        return not self._cmds.empty()
+
     def call_sync(self, fn: Callable, *args: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
         """``call`` and wait for the result, at most ``timeout`` seconds (TimeoutError)."""
         try:

@@ -177,6 +177,11 @@ class Engine:
         for w in self._workers:
             w.start()
 
+    @property
+    def native(self):
+        """Mooncake's TransferEngine itself (for :mod:`.writer`'s non-blocking single writes)."""
+        return self._te
+
     # ---- memory ------------------------------------------------------------------------------
     def register(self, addr: int, length: int) -> None:
         """Register a buffer once (a second call for the same region is a no-op)."""

@@ -3,7 +3,8 @@
 ``KVTRANSFER_FAULTS="fail=0.05,delay=0.2,seed=3"`` in a sender's environment:
 
 * ``fail``: the share of rooms whose KV writes fail (chosen from the room id and the seed, so
-  every group of a chosen room fails and the choice is reproducible);
+  every group of a chosen room fails and the choice is reproducible), after ``delay`` when
+  one is set (a write that fails late, e.g. after the first token went to decode);
 * ``delay``: seconds every layer group waits (on the transfer worker, like a slow completion
   fence) before its writes go out, to hold rooms in the Transferring phase.
 

@@ -14,6 +14,15 @@ A *component* is one ``[pages, page_size, ...]`` slab of one layer: GQA layers h
 MLA layers one. The bytes of page ``p`` of (layer, component) start at
 ``base_addr + ((layer * components + component) * num_pages + p) * page_bytes``.
 
+Staging (fragmented page tables): the entry buffer is also seen as *rows* of ``page_bytes``,
+row ``(layer * components + component) * num_pages + page``. A layer group ``[a, b)`` of a room
+with page list ``P`` (``n = len(P)``) is the stream of units ``u in [0, (b - a) * components * n)``
+with ``layer = a + u // (components * n)``, ``component = (u // n) % components``,
+``page = P[u % n]``. A staged chunk is the run of units ``[start, start + count)``: prefill
+gathers those rows (its own ``P``) into one registered slot, one write moves the slot, and decode
+scatters the slot into the same units of ITS ``P`` (:func:`staging_rows` on both sides), so a
+chunk can only ever land in pages decode registered for that room.
+
 Tensor parallelism: ``head_start`` / ``total_kv_heads`` say which KV heads this rank holds, so a
 future TP-aware sender can slice heads; today both sides must hold the same heads.
 """
@@ -227,6 +236,41 @@ def group_transfers(
                     )
                 out.append(Transfer(s_base + s0 * pb, d_base + d0 * pb, n * pb))
     return out
+
+
+def group_units(lay: EntryLayout, num_pages: int, layers: range) -> int:
+    """Units (page rows) in the staged stream of a layer group over ``num_pages`` pages."""
+    return len(layers) * lay.components * num_pages
+
+
+def staging_rows(
+    lay: EntryLayout, pages: list[int], layers: range, start: int, count: int
+) -> list[int]:
+    """Rows of ``lay``'s buffer that hold units ``[start, start + count)`` of the staged stream
+    of ``layers`` over ``pages`` (see the module docstring); IndexError when out of bounds."""
+    n, comps = len(pages), lay.components
+    if not (0 <= layers.start < layers.stop <= lay.num_layers and layers.step == 1):
+        raise IndexError(f"layers {layers} outside [0, {lay.num_layers})")
+    if count < 1 or start < 0 or start + count > group_units(lay, n, layers):
+        raise IndexError(f"units [{start}, {start + count}) outside the group's stream")
+    bad = [p for p in pages if not 0 <= p < lay.num_pages]
+    if bad:
+        raise IndexError(f"pages {bad[:4]} outside [0, {lay.num_pages})")
+    rows: list[int] = []
+    u, end = start, start + count
+    while u < end:  # one (layer, component) slab at a time
+        slab = (layers.start + u // (comps * n)) * comps + (u // n) % comps
+        a, b = u % n, min(n, u % n + end - u)
+        base = slab * lay.num_pages
+        rows.extend([base + p for p in pages[a:b]])
+        u += b - a
+    return rows
+
+
+def mean_copy_bytes(lay: EntryLayout, src_pages: list[int], dst_pages: list[int]) -> float:
+    """Average size of the direct copies :func:`group_transfers` would issue for these tables."""
+    runs = paired_runs(list(src_pages), list(dst_pages))
+    return len(src_pages) * lay.page_bytes / max(1, len(runs))
 
 
 @dataclass

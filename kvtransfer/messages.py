@@ -16,6 +16,11 @@ Version history:
       frame cannot be replayed outside the window or moved to another protocol version;
       Register lists exactly the prompt's pages of each entry and carries a proof that its
       sender owns the Mooncake session it names (``proof`` / ``proof_addr``).
+  4 — staged transfers for fragmented page tables: Register declares decode's staging region
+      (``staging_addr`` / ``staging_slots`` / ``staging_slot_bytes``, none: 0); Want (prefill
+      asks for slots for a room), Grant (decode lends one slot to that room), Staged (a chunk
+      landed in a granted slot; decode scatters it into the room's own pages); FirstToken
+      (prefill sends the room's first token as soon as it is sampled, before the KV landed).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from collections import OrderedDict
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 Scalar = int | float | str
 ExtraValue = int | float | str | list[Scalar]
@@ -55,6 +60,10 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     # where prefill reads it (once per connection) before it writes anything there
     proof_addr: int = 0
     proof: bytes = b""
+    # decode's registered staging region (slots of slot_bytes each); 0 slots: direct writes only
+    staging_addr: int = 0
+    staging_slots: int = 0
+    staging_slot_bytes: int = 0
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):
@@ -100,7 +109,46 @@ class Cancel(msgspec.Struct, tag="cancel", frozen=True):
     room: int
 
 
-Message = Register | Ack | Complete | Fail | Abort | Ping | Pong | Cancel
+class Want(msgspec.Struct, tag="want", frozen=True):
+    """prefill -> decode: room R has chunks to stage; lend it up to ``slots`` staging slots."""
+
+    room: int
+    slots: int
+
+
+class Grant(msgspec.Struct, tag="grant", frozen=True):
+    """decode -> prefill: staging slot ``slot`` belongs to room R until R ends; write one chunk
+    into it (again after every Staged, once this Grant comes back)."""
+
+    room: int
+    slot: int
+
+
+class Staged(msgspec.Struct, tag="staged", frozen=True):
+    """prefill -> decode: units [start, start + count) of the staged stream of entry ``role``,
+    layers [layer_start, layer_stop), landed in slot ``slot`` (see kvtransfer/layout.py)."""
+
+    room: int
+    slot: int
+    role: str
+    layer_start: int
+    layer_stop: int
+    start: int
+    count: int
+
+
+class FirstToken(msgspec.Struct, tag="first_token", frozen=True):
+    """prefill -> decode: the room's first token, sampled; its KV may still be in flight
+    (Complete repeats it and is what lets decode run the room)."""
+
+    room: int
+    token: int
+
+
+Message = (
+    Register | Ack | Complete | Fail | Abort | Ping | Pong | Cancel | Want | Grant | Staged
+    | FirstToken
+)  # fmt: skip
 
 
 class Envelope(msgspec.Struct, frozen=True):

@@ -30,6 +30,7 @@ from .config import TransferConfig
 from .control import ControlLoop, ReleaseCallback, TransferFailed
 from .layout import EntryLayout, check_compatible
 from .proof import SessionToken
+from .receiver_staging import ReceiverStaging
 from .state import ReceiverRoom, RoomStatus
 
 log = logging.getLogger(__name__)
@@ -63,12 +64,18 @@ def check_address(addr: str) -> str:
     return addr
 
 
-class KVReceiver(ControlLoop):
+class KVReceiver(ReceiverStaging, ControlLoop):
+    """``tensors`` (role -> the pool's tensor, optional): enables staged transfers (decode
+    scatters chunks that prefill gathered from fragmented page tables)."""
+
     name = "kv-receiver"
 
-    def __init__(self, config: TransferConfig, layouts: dict[str, EntryLayout]):
+    def __init__(
+        self, config: TransferConfig, layouts: dict[str, EntryLayout], tensors: dict | None = None
+    ):
         super().__init__(config)
         self.open_engine(layouts)
+        self.init_staging(tensors)
         self.session_id = self.engine.session_id
         self.token = SessionToken(self.engine)  # proves to prefill that we own this session
         self._peers: dict[str, _Peer] = {}
@@ -87,10 +94,13 @@ class KVReceiver(ControlLoop):
         num_tokens: int,
         on_release: ReleaseCallback,
         on_fail=None,
+        on_first=None,
     ) -> None:
         """Register the prompt's pages of every entry (``dst_pages``: role -> page ids).
         ``on_fail(room, reason)`` runs as soon as the room fails; ``on_release(room, status)``
-        when its pages may be reused (later, while they are quarantined)."""
+        when its pages may be reused (later, while they are quarantined); ``on_first(room,
+        token)`` when prefill sent the first token (before the KV landed). All on the control
+        thread."""
         if not bootstrap_addrs:
             raise ValueError(f"room {room}: no prefill bootstrap address")
         addrs = [check_address(a) for a in bootstrap_addrs]
@@ -108,9 +118,15 @@ class KVReceiver(ControlLoop):
                 m.EntrySpec(role, lay.signature(), list(pages), lay.base_addr, lay.num_pages)
             )
         reg = m.Register(
-            room, self.session_id, entries, int(num_tokens), self.token.addr, self.token.token
+            room,
+            self.session_id,
+            entries,
+            int(num_tokens),
+            self.token.addr,
+            self.token.token,
+            **self.staging_fields(),
         )
-        self.call_sync(self._register, reg, addrs, on_release, on_fail)
+        self.call_sync(self._register, reg, addrs, on_release, on_fail, on_first)
 
     def refuse(self, room: int, bootstrap_addrs: list[str], reason: str) -> None:
         """Tell prefill this room will never be registered (decode refused the request), so it
@@ -170,15 +186,17 @@ class KVReceiver(ControlLoop):
         mon.close(linger=0)
         sock.close(linger=0)
 
-    def _register(self, reg: m.Register, addrs: list[str], on_release, on_fail) -> None:
+    def _register(self, reg: m.Register, addrs: list[str], on_release, on_fail, on_first) -> None:
         peers = [self._peer(a) for a in addrs]  # a bad address fails here, before any room
         r = ReceiverRoom(
             room=reg.room,
             on_release=on_release,
             on_fail=on_fail,
+            on_first=on_first,
             deadline=time.monotonic() + self.config.bootstrap_timeout_s,
             addrs=addrs,
             roles=[e.role for e in reg.entries],
+            pages={e.role: list(e.pages) for e in reg.entries},
             num_tokens=reg.num_tokens,
             # the connection that carries the Register: the current one, or the next
             epochs={p.addr: p.epoch if p.connected else p.epoch + 1 for p in peers},
@@ -278,8 +296,21 @@ class KVReceiver(ControlLoop):
                 self.transfer_stats.group_done(r.stat, True)
                 self.advance(r, RoomStatus.Success)
                 self.release(r)
+        elif isinstance(msg, m.FirstToken) and claimed == peer.addr:
+            if r.on_first is not None and msg.token >= 0:
+                try:
+                    r.on_first(r.room, msg.token)
+                except Exception:
+                    log.exception("kv-receiver: on_first of room %d raised", r.room)
+        elif isinstance(msg, (m.Want, m.Staged)) and claimed == peer.addr:
+            (self.on_want if isinstance(msg, m.Want) else self.on_staged)(r, msg)
         else:
             self.drop("unexpected", type(msg).__name__)
+
+    def release(self, r: ReceiverRoom) -> None:
+        super().release(r)
+        if r.released:
+            self.staging_release(r.room)
 
     def _on_monitor(self, peer: _Peer, frames: list[bytes]) -> None:
         event = parse_monitor_message(frames)["event"]

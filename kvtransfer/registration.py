@@ -26,6 +26,10 @@ from dataclasses import dataclass, field
 from . import messages as m
 from .layout import EntryLayout, check_compatible
 
+MAX_STAGING_SLOTS = 1024
+MAX_SLOT_BYTES = 1 << 30
+STAGING = "staging"  # PeerBook.pools key of decode's staging region
+
 
 class RegistrationError(ValueError):
     """The Register cannot be served; the message names the first problem."""
@@ -43,6 +47,15 @@ def check_entries(
         raise RegistrationError(f"num_tokens {reg.num_tokens} but the prompt has {num_tokens}")
     if reg.num_tokens < 1:
         raise RegistrationError(f"num_tokens must be >= 1, got {reg.num_tokens}")
+    if reg.staging_slots and not (
+        0 < reg.staging_slots <= MAX_STAGING_SLOTS
+        and 0 < reg.staging_slot_bytes <= MAX_SLOT_BYTES
+        and reg.staging_addr > 0
+    ):
+        raise RegistrationError(
+            f"bad staging region: {reg.staging_slots} slots of {reg.staging_slot_bytes} B"
+            f" at {reg.staging_addr:#x}"
+        )
     dst: dict[str, EntryLayout] = {}
     for entry in reg.entries:
         local = layouts.get(entry.role)
@@ -141,6 +154,9 @@ class PeerBook:
             known = peer.pools.get(e.role)
             if known is not None and known != (e.base_addr, e.num_pages):
                 raise RegistrationError(f"entry {e.role}: pool address or size changed")
+        known = peer.pools.get(STAGING)
+        if known is not None and known != _staging(reg):
+            raise RegistrationError("staging region changed")
 
     def bind(self, ident: bytes, reg: m.Register) -> None:
         """``ident`` proved it owns ``reg``'s session: it is that connection's from now on."""
@@ -149,6 +165,7 @@ class PeerBook:
         self._owner[reg.session_id] = ident
         for e in reg.entries:
             peer.pools.setdefault(e.role, (e.base_addr, e.num_pages))
+        peer.pools.setdefault(STAGING, _staging(reg))
 
     def add_pending(self, ident: bytes) -> bool:
         """Count one unclaimed registration of ``ident``; False when it is over its cap."""
@@ -162,6 +179,10 @@ class PeerBook:
         peer = self._peers.get(ident)
         if peer is not None and peer.pending > 0:
             peer.pending -= 1
+
+
+def _staging(reg: m.Register) -> tuple[int, int, int]:
+    return (reg.staging_addr, reg.staging_slots, reg.staging_slot_bytes)
 
 
 def _is_ip(host: str) -> bool:

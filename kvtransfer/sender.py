@@ -18,6 +18,7 @@ AND no write reading its pages is still in flight, so the caller may then free t
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 
@@ -33,6 +34,7 @@ from .layout import EntryLayout, group_transfers
 from .proof import ProofChecker
 from .registration import PeerBook, RegistrationError, check_entries
 from .sender_inbox import MAX_PENDING_REGISTRATIONS, SenderInbox
+from .sender_staging import SenderStaging
 from .state import Claim, RoomStatus, SenderRoom
 
 log = logging.getLogger(__name__)
@@ -43,12 +45,18 @@ def _register_frame_limit(layouts: dict[str, EntryLayout]) -> int:
     return 4096 + sum(512 + 9 * lay.num_pages for lay in layouts.values())
 
 
-class KVSender(SenderInbox, ControlLoop):
+class KVSender(SenderStaging, SenderInbox, ControlLoop):
+    """``tensors`` (role -> the pool's tensor, optional): enables staged transfers for
+    fragmented page tables (see :mod:`.sender_staging`)."""
+
     name = "kv-sender"
 
-    def __init__(self, config: TransferConfig, layouts: dict[str, EntryLayout]):
+    def __init__(
+        self, config: TransferConfig, layouts: dict[str, EntryLayout], tensors: dict | None = None
+    ):
         super().__init__(config)
         self.open_engine(layouts)
+        self.init_staging(tensors)
         self.faults = Faults.from_env()
         if self.faults.active:
             log.warning("kv-sender: FAULT INJECTION active (%s): for tests only", self.faults)
@@ -104,6 +112,10 @@ class KVSender(SenderInbox, ControlLoop):
             raise ValueError(f"layers {layers} outside [0, {lay.num_layers}) of entry {role}")
         self.call(self._send_group, room, role, layers, fence)
 
+    def first_token(self, room: int, token: int) -> None:
+        """Send the room's first token to decode now (FirstToken), before its KV landed."""
+        self.call(self._first_token, room, int(token))
+
     def finish(self, room: int, first_token: int, extra: dict | None = None) -> None:
         """Send Complete with the aux data once all queued writes of the room have landed."""
         try:
@@ -124,10 +136,12 @@ class KVSender(SenderInbox, ControlLoop):
     def stats(self) -> dict:
         snap = super().stats()
         snap["pending_registrations"] = len(self._pending)
+        snap["staged"] = dict(self.staged)
         return snap
 
     def close(self) -> None:
         self.proofs.close()
+        self.close_staging()
         super().close()
 
     # ---- loop thread: the stage's calls --------------------------------------------------------
@@ -205,6 +219,8 @@ class KVSender(SenderInbox, ControlLoop):
             self.router, m.Ack(r.room, {k: v.signature() for k, v in self.layouts.items()}), ident
         )
         self.advance(r, RoomStatus.WaitingForInput)
+        if r.first_token is not None:
+            self.send(self.router, m.FirstToken(r.room, r.first_token), ident)
         if r.src_pages is None:  # registered, waiting for the compute thread (backpressure)
             r.deadline = time.monotonic() + self.config.queue_timeout_s
         else:
@@ -233,28 +249,31 @@ class KVSender(SenderInbox, ControlLoop):
             self._launch(r, role, layers, fence)
 
     def _launch(self, r: SenderRoom, role: str, layers: range, fence=None) -> None:
-        src = r.src_pages[role]
-        try:
-            transfers = group_transfers(
-                self.layouts[role], r.claim.dst[role], src, r.claim.dst_pages(role), layers
-            )
+        fence = self.faults.delayed(fence)
+        try:  # staged or direct is decided first: 245,760 copy objects cost ~0.5 s at page 1
+            staged = self.use_staging(r, role)
+            transfers = [] if staged else self._transfers(r, role, layers)
         except (ValueError, IndexError) as e:
             self._fail(r.room, f"bad page table: {e}", True)
+            return
+        r.outstanding += 1
+        self.advance(r, RoomStatus.Transferring)
+        if self.faults.fails(r.room):  # after the delay, if any: a write that fails late
+            fail = (self.call, self._group_done, r.room, role, layers, False)
+            threading.Timer(self.faults.delay_s, fail[0], fail[1:]).start()
+            return
+        if staged:
+            self.stage_group(r, role, layers, fence)  # few large writes instead of many copies
             return
         g = self.transfer_stats.group_submitted(
             r.room, role, layers, sum(t.length for t in transfers), len(transfers)
         )
-        r.outstanding += 1
-        self.advance(r, RoomStatus.Transferring)
 
         def done(ok: bool, room=r.room, g=g) -> None:  # on a transfer worker
             self.transfer_stats.group_done(g, ok)
             self.call(self._group_done, room, role, layers, ok)
 
-        if self.faults.fails(r.room):
-            done(False)
-            return
-        fence, room = self.faults.delayed(fence), r.room
+        room = r.room
         try:
             self.engine.submit(
                 r.claim.reg.session_id, transfers, done, fence, lambda: self.is_live(room)
@@ -262,6 +281,12 @@ class KVSender(SenderInbox, ControlLoop):
         except Exception as e:  # e.g. the engine closed: this group fails, the loop goes on
             log.warning("room %s: submitting layers %s failed: %s", room, layers, e)
             done(False)
+
+    def _transfers(self, r: SenderRoom, role: str, layers: range):
+        dst = r.claim.dst_pages(role)
+        return group_transfers(
+            self.layouts[role], r.claim.dst[role], r.src_pages[role], dst, layers
+        )
 
     def _group_done(self, room: int, role: str, layers: range, ok: bool) -> None:
         r = self.rooms.get(room)
@@ -275,6 +300,15 @@ class KVSender(SenderInbox, ControlLoop):
             self._maybe_complete(r)
         elif r.outstanding == 0:
             self._drained(r)
+
+    def _first_token(self, room: int, token: int) -> None:
+        r = self.rooms.get(room)
+        if r is None or r.status.ended:
+            return
+        if r.claim is None:
+            r.first_token = token  # goes out right after the Ack
+        else:
+            self.send(self.router, m.FirstToken(room, token), r.claim.ident)
 
     def _finish(self, room: int, first_token: int, extra: dict) -> None:
         r = self.rooms.get(room)
@@ -298,6 +332,8 @@ class KVSender(SenderInbox, ControlLoop):
         if r is None or not self.advance(r, RoomStatus.Failed, reason):
             return
         r.tell_decode = tell_decode
+        if room in self._stage_rooms:
+            self.stage_pump()  # its staged groups not in flight end now
         if r.outstanding == 0:
             self._drained(r)
 
@@ -308,7 +344,14 @@ class KVSender(SenderInbox, ControlLoop):
             self.send(self.router, m.Fail(r.room, r.reason), r.claim.ident)
         self.release(r)
 
+    def release(self, r: SenderRoom) -> None:
+        super().release(r)
+        if r.released:
+            self.stage_forget(r.room)
+
     def on_tick(self, now: float) -> None:
+        if self._stage_rooms:
+            self.stage_pump()  # compute fences of staged groups are polled here
         ttl = self.config.bootstrap_timeout_s
         for room in [k for k, v in self._pending.items() if now - v[2] > ttl]:
             self.peers.remove_pending(self._pending.pop(room)[0])  # nobody here took it

@@ -35,6 +35,8 @@ class SenderInbox:
             self._on_register(ident, _peer_address(frames[1]), msg)
         elif isinstance(msg, m.Abort):
             self._on_abort(ident, msg)
+        elif isinstance(msg, m.Grant):
+            self.on_grant(ident, msg)
         else:
             self.drop("unexpected", type(msg).__name__)
 

@@ -86,15 +86,18 @@ class SenderRoom(Room):
     outstanding: int = 0  # groups whose writes are in flight
     finish: tuple[int, dict] | None = None  # (first token, extra) once prefill finished
     tell_decode: bool = False  # send Fail to decode once the writes drained
+    first_token: int | None = None  # sampled before the claim: sent with the Ack
 
 
 @dataclass(kw_only=True)
 class ReceiverRoom(Room):
     addrs: list[str]  # prefill bootstrap addresses the Register went to
     roles: list[str]  # entries decode registered pages in
+    pages: dict[str, list[int]] = field(default_factory=dict)  # role -> the registered pages
     num_tokens: int
     epochs: dict[str, int] = field(default_factory=dict)  # peer connection epoch at Register
     on_fail: Callable[[int, str], None] | None = None  # at once when it fails (pages may wait)
+    on_first: Callable[[int, int], None] | None = None  # prefill's FirstToken (room, token)
     claimed_by: str | None = None  # the prefill address that claimed the room (its Ack)
     stat: GroupStat | None = None  # transfer record, from claim to completion
     # ended by decode while a prefill may still write into the pages: the peers whose drain

@@ -76,7 +76,11 @@ class DecodeWorker(DecodeControl):
                 self.runner, self.pool, spec, params.max_batch, params.max_context
             )
         cfg = params.transfer_config()
-        self.receiver = KVReceiver(cfg, {role: p.layout for role, p in self.pools.items()})
+        self.receiver = KVReceiver(
+            cfg,
+            {role: p.layout for role, p in self.pools.items()},
+            {role: p.tensor for role, p in self.pools.items()},  # staged transfers
+        )
         # clients cancel through this channel too (see backends/stages/cancel.py)
         self.cancel_listener = CancelListener(cfg.host, self.cancel, cfg.shared_secret)
         self.cancel_addr = self.cancel_listener.addr
@@ -88,6 +92,7 @@ class DecodeWorker(DecodeControl):
         self._transfers: dict[int, ActiveRequest] = {}  # room -> holds pages, KV in flight
         self._ready: deque[tuple[int, RoomStatus]] = deque()  # rooms released (control thread)
         self._failed: deque[tuple[int, str]] = deque()  # rooms failed (control thread)
+        self._firsts: deque[tuple[int, int]] = deque()  # prefill's first tokens (control thread)
         self._running: dict[str, ActiveRequest] = {}  # seq id -> in the engine
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.counters.update(ttft_sum=0.0, ttft_count=0, itl_sum=0.0, itl_count=0)
@@ -219,8 +224,9 @@ class DecodeWorker(DecodeControl):
         dst = {role: r.pages[role][: self.pools[role].pages_needed(prompt)] for role in r.pages}
         try:
             self.receiver.register(
-                r.req.room, [r.req.bootstrap_addr], dst, prompt, self._on_release, self._on_fail
-            )
+                r.req.room, [r.req.bootstrap_addr], dst, prompt, self._on_release, self._on_fail,
+                self._on_first,
+            )  # fmt: skip
             r.t["registered"] = time.time()
         except Exception as e:  # bad address, room id in use...: this request only
             with self._cond:
@@ -242,11 +248,12 @@ class DecodeWorker(DecodeControl):
     def _loop(self) -> None:
         while not self._stop:
             with self._cond:
-                busy = self._ready or self._failed or self._cancel_rooms
+                busy = self._ready or self._failed or self._cancel_rooms or self._firsts
                 if not (busy or self.engine.has_unfinished()):
                     self._cond.wait(0.05)
             try:
                 self._poll_cancelled()
+                self._take_first()
                 self._take_failed()
                 self._take_ready()
                 self._register_waiting()
@@ -268,7 +275,8 @@ class DecodeWorker(DecodeControl):
                 room, reason = self._failed.popleft()
                 r = self._transfers.get(room)
             if r is not None and r.phase == Phase.TRANSFER:
-                self._finish(r, error=f"KV transfer failed: {explain_failure(reason)}")
+                after = " after the first token was streamed" if r.early_first is not None else ""
+                self._finish(r, error=f"KV transfer failed{after}: {explain_failure(reason)}")
 
     def _take_ready(self) -> None:
         while True:
@@ -331,6 +339,10 @@ class DecodeWorker(DecodeControl):
                 self._finish(r, error=f"decode failed for this request: {out.errors[seq_id]}")
                 continue
             tokens = out.new_tokens.get(seq_id, [])
+            if r.early_first is not None and tokens:  # streamed already, before the KV landed
+                tokens, r.early_first = tokens[1:], None
+                if not tokens and seq_id not in reasons:
+                    continue
             c["tokens"] += len(tokens)
             if "first_token" not in r.t:
                 r.t["first_token"] = now

@@ -62,6 +62,30 @@ class DecodeControl:
         self.trace.write({"stage": "decode", "room": r.req.room, "error": error,
                           "cancelled": r.cancelled, **r.t, "tokens": len(r.out_ids)})  # fmt: skip
 
+    def _on_first(self, room: int, token: int) -> None:  # control thread
+        with self._cond:
+            self._firsts.append((room, token))
+            self._cond.notify_all()
+
+    def _take_first(self) -> None:
+        """Prefill's first token, before the room's KV landed: a streaming request gets it at
+        once (non-streaming requests are unchanged; the engine reports it again later)."""
+        while True:
+            with self._cond:
+                if not self._firsts:
+                    return
+                room, token = self._firsts.popleft()
+                r = self._transfers.get(room)
+            if r is None or r.phase != Phase.TRANSFER or not r.req.stream or r.out_ids:
+                continue
+            now = time.time()
+            r.early_first, r.out_ids = token, [token]
+            r.t["first_token"] = r.t["first_token_streamed"] = r.t["last_token"] = now
+            self.counters["tokens"] += 1
+            self.counters["ttft_sum"] += now - r.t["submitted"]
+            self.counters["ttft_count"] += 1
+            self._send(r, DecodeEvent([token], []))
+
     def _poll_cancelled(self) -> None:
         now = time.monotonic()
         with self._cond:

@@ -46,6 +46,8 @@ class ActiveRequest:
     t: dict = field(default_factory=dict)  # timestamps for the trace
     last_event: float = 0.0  # time.monotonic() of the last event sent (heartbeats)
     queued_at: float = 0.0  # time.monotonic() when it started waiting for pages
+    early_first: int | None = None  # first token streamed before the KV landed (not yet
+    # seen again from the engine, whose first step reports it once more)
 
     @property
     def seq_id(self) -> str:

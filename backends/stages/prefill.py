@@ -93,6 +93,7 @@ class PrefillWorker:
         self.sender = KVSender(
             params.transfer_config(instance_index),
             {role: pool.layout for role, pool in self._pools()},
+            {role: pool.tensor for role, pool in self._pools()},  # staged transfers
         )
         self.bootstrap_addr = self.sender.bootstrap_addr
         self.name = f"{name}{instance_index}"
@@ -340,6 +341,7 @@ class PrefillWorker:
         gen = req.sampling.make_generator(self.runner.device)
         first = sample(logits[None], [req.sampling], [gen])[0]
         t["computed"] = time.time()
+        self.sender.first_token(req.room, first)  # decode streams it before the KV lands
         if self.draft is not None:  # the draft's prompt KV: computed here, sent as entry 2
             if self.draft_is_prefix:
                 copy_prefix_kv(self.pool, pages["target"], self.draft_pool, pages[DRAFT])

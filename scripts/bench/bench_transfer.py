@@ -1,24 +1,28 @@
 #!/usr/bin/env python
-"""KV transfer throughput: kvtransfer (layer groups, async batches, control plane) vs raw Mooncake.
+"""KV transfer throughput: kvtransfer vs the link (raw Mooncake, one large block) and raw copies.
 
-Two OS processes on one host (decode = child process, prefill = this process). For each layout,
-several synthetic requests of ``--tokens`` tokens move prefill's pages into decode's pages:
+Two OS processes on one host (decode = child process, prefill = this process). For each layout
+and page size, several synthetic requests of ``--tokens`` tokens move prefill's pages into
+decode's pages; in the same run, per request (mode order rotated):
 
-* kvtransfer: decode registers the room, prefill ``start_room`` / ``send_group`` per policy group /
-  ``finish``; timed from the first ``send_group`` to the room's Success on prefill (Complete sent
-  after every write landed);
-* raw: the very same copies (same addresses, same coalescing) with
-  ``batch_transfer_sync_write`` in chunks of ``--raw-batch`` entries on the same engine;
-* raw_async: the same chunks with ``batch_transfer_async_write`` + ``get_batch_transfer_status``
-  (the calls kvtransfer's workers use) — the fairest raw baseline.
+* link: raw Mooncake writing ONE contiguous block of the request's size (one write, status
+  polled with short sleeps) -- the link limit on this host;
+* fragmented: kvtransfer on random fragmented page tables (both sides): timed from the first
+  ``send_group`` to the room's Success on prefill (Complete goes after every byte landed);
+  staged through registered slots when the page runs are small;
+* contiguous: kvtransfer on contiguous page tables (direct copies, one per layer and component);
+* raw: raw Mooncake with the very copies a fragmented table needs without staging
+  (``batch_transfer_sync_write`` in chunks of ``--raw-batch``), skipped above ``--raw-max-copies``.
 
-Before each mode decode's pages are zeroed; after it every byte is checked (order-sensitive
-checksum), so each mode must deliver the whole request.
-
-Mode order rotates per request; the script reports medians. ``--json`` prints one JSON object with
-``kvtransfer_gbps``, ``raw_gbps``, ``ratio`` and per-layout detail.
+Decode's pages are zeroed before each kvtransfer/raw mode and every byte is checked after it
+(order-sensitive checksum). ``--json`` prints one object: per cell ``link_gbps``,
+``fragmented_gbps`` (= ``kvtransfer_gbps``), ``contiguous_gbps``, ``raw_gbps``, ``ratio``
+(kvtransfer / raw) and ``link_ratio`` (fragmented / link); the top-level keys are those of page
+size ``--headline-page`` over all layouts. ``--link-gbit R`` re-runs the whole command inside
+``unshare -n`` with a ``tc tbf`` rate limit on the namespace's loopback (as bench_ttft does).
 
     .venv/bin/python scripts/bench/bench_transfer.py --requests 5
+    .venv/bin/python scripts/bench/bench_transfer.py --requests 5 --link-gbit 4
 """
 
 from __future__ import annotations
@@ -35,16 +39,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("GLOG_minloglevel", "2")
 
 import numpy as np  # noqa: E402
-
-from backends.stages.params import StageParams  # noqa: E402
+from ttft_lib import netns  # noqa: E402
 
 LAYOUTS = {
     "smollm2-gqa": dict(attn="gqa", num_layers=30, kv_heads=3, head_dim=64),
     "deepseek-mla": dict(attn="mla", num_layers=61, head_dim=576, kv_lora_rank=512, rope_dim=64),
 }
+MODES = ("link", "fragmented", "contiguous", "raw")
 
 
 def entry(name: str, dtype: str, page_size: int, num_pages: int, layers: int | None):
@@ -76,6 +81,12 @@ class Buffer:
             self.t = torch.from_numpy(data).to(device)
             self.addr = self.t.data_ptr()
 
+    def tensor(self):
+        """The bytes as a torch tensor (shares memory): kvtransfer stages from / into it."""
+        import torch
+
+        return self.t if self.t is not None else torch.from_numpy(self.np)
+
     def host(self) -> np.ndarray:
         return self.np if self.t is None else self.t.cpu().numpy()
 
@@ -92,7 +103,7 @@ def decode_main(conn, layout_kw: dict, config_kw: dict, device: str) -> None:
     lay = entry(**layout_kw)
     pool = Buffer(np.zeros(lay.nbytes, np.uint8), device)
     lay = lay.with_pool(lay.num_pages, pool.addr)
-    rx = KVReceiver(TransferConfig(**config_kw), {"target": lay})
+    rx = KVReceiver(TransferConfig(**config_kw), {"target": lay}, {"target": pool.tensor()})
     conn.send((rx.session_id, lay.base_addr))
     while True:
         cmd = conn.recv()
@@ -130,18 +141,26 @@ def page_digest(lay, buf, pages) -> int:
     return total
 
 
-def run_raw(te, session: str, ts, batch: int, use_async: bool) -> float:
-    """The same copies straight through Mooncake: sync batches, or async batches + wait."""
+def run_raw(te, session: str, ts, batch: int) -> float:
+    """The same copies straight through Mooncake, sync batches of ``batch`` entries."""
     t0 = time.perf_counter()
     for c in range(0, len(ts), batch):
         ch = ts[c : c + batch]
         srcs, dsts, lens = [t.src for t in ch], [t.dst for t in ch], [t.length for t in ch]
-        if use_async:
-            bid = te.batch_transfer_async_write(session, srcs, dsts, lens)
-            rc = te.get_batch_transfer_status([bid]) if bid else -1
-        else:
-            rc = te.batch_transfer_sync_write(session, srcs, dsts, lens)
+        rc = te.batch_transfer_sync_write(session, srcs, dsts, lens)
         assert rc == 0, f"raw batch failed: {rc}"
+    return time.perf_counter() - t0
+
+
+def run_link(te, session: str, src: int, dst: int, nbytes: int) -> float:
+    """One contiguous block of ``nbytes``: one write, polled with 100 us sleeps (the link limit;
+    Mooncake's blocking status call busy-waits and takes a core from its own TCP threads here)."""
+    t0 = time.perf_counter()
+    tid = te.transfer_submit_write(session, src, dst, nbytes)
+    assert tid is not None and tid >= 0, f"link write not submitted: {tid}"
+    while (rc := te.transfer_check_status(tid)) == 0:
+        time.sleep(1e-4)
+    assert rc == 1, f"link write failed: {rc}"
     return time.perf_counter() - t0
 
 
@@ -165,134 +184,188 @@ def run_kvtransfer(tx, conn, room: int, s_pages, d_pages, groups, tokens: int) -
     return dt
 
 
-def bench_layout(name: str, args) -> dict:
+def bench_cell(name: str, page_size: int, args) -> dict:
     from kvtransfer import KVSender, LayerGroupPolicy, TransferConfig
     from kvtransfer.layout import group_transfers
 
-    n_pages = math.ceil(args.tokens / args.page_size)
+    n_pages = math.ceil(args.tokens / page_size)
     pool_pages = n_pages + n_pages // 4
     layout_kw = dict(
-        name=name,
-        dtype=args.dtype,
-        page_size=args.page_size,
-        num_pages=pool_pages,
-        layers=args.layers,
+        name=name, dtype=args.dtype, page_size=page_size, num_pages=pool_pages, layers=args.layers
     )
-    config_kw = dict(host="127.0.0.1", max_batch_entries=args.batch)
+    config_kw = dict(
+        host="127.0.0.1",
+        staging_slot_bytes=int(args.slot_mb * (1 << 20)),
+        staging_inflight=args.inflight,
+        staging_slots=args.inflight + 1,
+        staging_grants_per_room=args.inflight + 1,
+    )
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    args_ = (child, layout_kw, config_kw, args.device)
-    proc = ctx.Process(target=decode_main, args=args_, daemon=True)
+    proc = ctx.Process(
+        target=decode_main, args=(child, layout_kw, config_kw, args.device), daemon=True
+    )
     proc.start()
     session, dst_base = conn.recv()
 
     lay = entry(**layout_kw)
     data = np.random.default_rng(0).integers(0, 256, lay.nbytes, dtype=np.uint8)
-    source = Buffer(data, args.device)  # lives for the whole run
-    buf = data  # the source bytes never change: the host array is their exact copy
+    source = Buffer(data, args.device)  # the source bytes never change: `data` is their copy
     src = lay.with_pool(pool_pages, source.addr)
     dst = lay.with_pool(pool_pages, dst_base)
-    tx = KVSender(TransferConfig(**config_kw), {"target": src})
+    tx = KVSender(TransferConfig(**config_kw), {"target": src}, {"target": source.tensor()})
     te = tx.engine._te  # the raw Mooncake handle of the same engine
     groups = LayerGroupPolicy().groups(args.tokens, lay.num_layers)
     rng = np.random.default_rng(1)
-    modes = ["kvtransfer", "raw", "raw_async"]
-    res: dict[str, list[float]] = {mode: [] for mode in modes}
-    nbytes = entries = 0
+    res: dict[str, list[float]] = {mode: [] for mode in MODES}
+    frag_copies = len(
+        group_transfers(
+            src, dst, *(pick_pages(rng, pool_pages, n_pages, True) for _ in range(2)),
+            range(lay.num_layers),
+        )
+    )  # fmt: skip
+    modes = [m for m in MODES if m != "raw" or frag_copies <= args.raw_max_copies]
+    nbytes = n_pages * lay.page_bytes * lay.components * lay.num_layers
     try:
         for i in range(args.requests + 1):  # request 0 warms every path up
-            s_pages = pick_pages(rng, pool_pages, n_pages, args.fragmented)
-            d_pages = pick_pages(rng, pool_pages, n_pages, args.fragmented)
-            ts = group_transfers(src, dst, s_pages, d_pages, range(lay.num_layers))
-            nbytes, entries = sum(t.length for t in ts), len(ts)
-            want = page_digest(src, buf, s_pages)
-            for mode in modes[i % 3 :] + modes[: i % 3]:  # rotate the order per request
-                conn.send(("zero", d_pages))
-                conn.recv()
-                if mode == "kvtransfer":
-                    room = 1000 * (i + 1) + 1
-                    dt = run_kvtransfer(tx, conn, room, s_pages, d_pages, groups, args.tokens)
-                else:
-                    dt = run_raw(te, session, ts, args.raw_batch, mode == "raw_async")
+            for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
+                dt = one_mode(mode, i, tx, te, conn, session, src, dst, groups, rng, args, data)
                 if i > 0:
                     res[mode].append(nbytes / dt / 1e9)
-                conn.send(("digest", d_pages))
-                assert conn.recv() == want, f"{mode}: bytes differ at decode"
     finally:
         tx.close()
         conn.send(("exit",))
         conn.recv()
         proc.join(10)
-    kv, raw, raw_async = (statistics.median(res[mode]) for mode in modes)
-    return {
+    med = {m: statistics.median(v) if v else None for m, v in res.items()}
+    out = {
         "layout": name,
         "layers": lay.num_layers,
         "dtype": args.dtype,
-        "page_size": args.page_size,
+        "page_size": page_size,
         "tokens": args.tokens,
-        "fragmented": args.fragmented,
         "bytes_per_request": nbytes,
-        "copies_per_request": entries,
+        "copies_fragmented_direct": frag_copies,
         "groups": len(groups),
-        "kvtransfer_gbps": kv,
-        "raw_gbps": raw,
-        "raw_async_gbps": raw_async,
-        "ratio": kv / raw,
-        "ratio_vs_raw_async": kv / raw_async,
+        "slot_mb": args.slot_mb,
+        "link_gbps": med["link"],
+        "fragmented_gbps": med["fragmented"],
+        "contiguous_gbps": med["contiguous"],
+        "kvtransfer_gbps": med["fragmented"],
+        "raw_gbps": med["raw"],
+        "ratio": med["fragmented"] / med["raw"] if med["raw"] else None,
+        "link_ratio": med["fragmented"] / med["link"],
+        "contiguous_link_ratio": med["contiguous"] / med["link"],
         "runs": res,
     }
+    return out
+
+
+def one_mode(mode, i, tx, te, conn, session, src, dst, groups, rng, args, data) -> float:
+    """Run one mode for request ``i``; checks every byte decode got (not for link)."""
+    from kvtransfer.layout import group_transfers
+
+    n_pages = math.ceil(args.tokens / src.page_size)
+    if mode == "link":
+        nbytes = n_pages * src.page_bytes * src.components * src.num_layers
+        return run_link(te, session, src.base_addr, dst.base_addr, nbytes)
+    frag = mode != "contiguous"
+    s_pages = pick_pages(rng, src.num_pages, n_pages, frag)
+    d_pages = pick_pages(rng, src.num_pages, n_pages, frag)
+    conn.send(("zero", d_pages))
+    conn.recv()
+    if mode == "raw":
+        ts = group_transfers(src, dst, s_pages, d_pages, range(src.num_layers))
+        dt = run_raw(te, session, ts, args.raw_batch)
+    else:
+        room = 100 * (i + 1) + MODES.index(mode)
+        dt = run_kvtransfer(tx, conn, room, s_pages, d_pages, groups, args.tokens)
+    conn.send(("digest", d_pages))
+    assert conn.recv() == page_digest(src, data, s_pages), f"{mode}: bytes differ at decode"
+    return dt
+
+
+def headline(cells: list[dict], page_size: int) -> dict:
+    """Total bytes / total median time over the layouts, at one page size."""
+    sel = [c for c in cells if c["page_size"] == page_size]
+    out = {"headline_page_size": page_size}
+    if not sel:
+        return out
+    total = sum(c["bytes_per_request"] for c in sel)
+    for key in ("link_gbps", "fragmented_gbps", "contiguous_gbps", "raw_gbps"):
+        if all(c[key] for c in sel):
+            out[key] = total / sum(c["bytes_per_request"] / c[key] for c in sel)
+        else:
+            out[key] = None
+    out["kvtransfer_gbps"] = out["fragmented_gbps"]
+    out["ratio"] = out["fragmented_gbps"] / out["raw_gbps"] if out["raw_gbps"] else None
+    out["link_ratio"] = out["fragmented_gbps"] / out["link_gbps"]
+    out["min_link_ratio"] = min(c["link_ratio"] for c in sel)
+    return out
+
+
+def table(cells: list[dict], link: dict) -> str:
+    """The markdown table docs/benchmarks.md carries."""
+    where = (
+        f"emulated link {link['rate_gbit']:g} Gbit/s (tbf)" if link.get("emulated") else "loopback"
+    )
+    lines = [
+        f"Link: {where}, measured TCP {statistics.median(link['tcp_gbit_measured']):.2f} Gbit/s",
+        "",
+        "| layout | page | MB/request | link GB/s | fragmented GB/s | contiguous GB/s"
+        " | raw copies GB/s | link_ratio | ratio vs raw |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def f(v, d=2):
+        return "–" if v is None else f"{v:.{d}f}"
+
+    for c in cells:
+        lines.append(
+            f"| {c['layout']} | {c['page_size']} | {c['bytes_per_request'] / 1e6:.0f}"
+            f" | {f(c['link_gbps'])} | {f(c['fragmented_gbps'])} | {f(c['contiguous_gbps'])}"
+            f" | {f(c['raw_gbps'], 3)} | {f(c['link_ratio'])} | {f(c['ratio'], 1)} |"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--page-sizes", nargs="+", type=int, default=[1, 16, 64])
+    ap.add_argument("--headline-page", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--requests", type=int, default=5, help="measured requests per layout")
+    ap.add_argument("--requests", type=int, default=5, help="measured requests per cell")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--page-size", type=int, default=StageParams.page_size)
     ap.add_argument("--layers", type=int, default=None, help="cap layers (memory/time)")
-    ap.add_argument(
-        "--contiguous",
-        dest="fragmented",
-        action="store_false",
-        help="contiguous page runs instead of random fragmented page tables",
-    )
-    ap.add_argument("--batch", type=int, default=1024, help="kvtransfer max_batch_entries")
+    ap.add_argument("--slot-mb", type=float, default=8.0, help="staging slot size (MiB)")
+    ap.add_argument("--inflight", type=int, default=2, help="staged writes in flight")
     ap.add_argument("--raw-batch", type=int, default=1024, help="raw batch size (entries)")
+    ap.add_argument(
+        "--raw-max-copies",
+        type=int,
+        default=20000,
+        help="skip the raw-copies mode for cells needing more copies (page 1: 245,760 for GQA)",
+    )
     ap.add_argument("--device", default="cpu", help="where both pools live: cpu or cuda[:N]")
+    ap.add_argument("--link-gbit", type=float, default=None, help="emulated link rate (Gbit/s)")
+    ap.add_argument("--link-burst", default="1mb")
+    ap.add_argument("--link-latency", default="50ms")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-
-    detail = [bench_layout(name, args) for name in args.layouts]
-    total = sum(d["bytes_per_request"] for d in detail)
-
-    def overall(key: str) -> float:  # total bytes / total median time
-        return total / sum(d["bytes_per_request"] / d[key] for d in detail)
-
-    kv, raw, raw_async = overall("kvtransfer_gbps"), overall("raw_gbps"), overall("raw_async_gbps")
-    out = {
-        "kvtransfer_gbps": kv,
-        "raw_gbps": raw,
-        "ratio": kv / raw,
-        "raw_async_gbps": raw_async,
-        "ratio_vs_raw_async": kv / raw_async,
-        "layouts": detail,
-    }
+    if args.link_gbit is not None and not netns.in_netns():
+        sys.exit(netns.reexec_in_netns(args.link_gbit, args.link_burst, args.link_latency))
+    link = netns.describe(args.link_gbit, args.link_burst, args.link_latency)
+    cells = [bench_cell(n, p, args) for n in args.layouts for p in args.page_sizes]
+    out = {**headline(cells, args.headline_page), "link": link, "cells": cells}
+    out["command"] = netns.shell_join(["scripts/bench/bench_transfer.py", *sys.argv[1:]])
+    out["load_avg"] = os.getloadavg()
     if args.json:
         print(json.dumps(out))
         return
-    for d in detail:
-        print(
-            f"{d['layout']:>13}: {d['layers']} layers {d['dtype']} page {d['page_size']},"
-            f" {d['bytes_per_request'] / 1e6:.1f} MB/request in {d['copies_per_request']} copies,"
-            f" {d['groups']} groups: kvtransfer {d['kvtransfer_gbps']:.2f} GB/s,"
-            f" raw sync {d['raw_gbps']:.2f} GB/s (ratio {d['ratio']:.3f}),"
-            f" raw async {d['raw_async_gbps']:.2f} GB/s (ratio {d['ratio_vs_raw_async']:.3f})"
-        )
-    print(
-        f"overall: kvtransfer {kv:.2f} GB/s, raw sync {raw:.2f} GB/s (ratio {kv / raw:.3f}),"
-        f" raw async {raw_async:.2f} GB/s (ratio {kv / raw_async:.3f})"
-    )
+    print(table(cells, link))
+    h = {k: v for k, v in out.items() if k.endswith(("gbps", "ratio")) and v is not None}
+    print("page", args.headline_page, ", ".join(f"{k} {v:.3f}" for k, v in h.items()))
 
 
 if __name__ == "__main__":

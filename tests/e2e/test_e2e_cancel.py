@@ -79,7 +79,9 @@ def test_cancel_while_prefill_computes(slow, stream):
 @pytest.mark.parametrize("stream", [True, False])
 def test_cancel_while_the_kv_transfers(slow, stream):
     fields = {"input_ids": ids(64, 2), "max_tokens": 32, "stream": stream}
-    assert cancel_at(slow, fields, 1.2)["generated"] == 0  # computed, KV still in flight
+    generated = cancel_at(slow, fields, 1.2)["generated"]  # computed, KV still in flight
+    # streaming: at most the first token, which prefill sends before the KV lands (issue 12)
+    assert generated in ((0, 1) if stream else (0,))
     recs = trace(slow)
     dec = [r for r in recs if r["stage"] == "decode" and r["cancelled"]][-1]
     pre = next(r for r in recs if r["stage"] == "prefill" and r["room"] == dec["room"])

@@ -76,7 +76,13 @@ class Peer:
             self.alloc[role] = Allocator(num_pages, seed + len(self.alloc))
         cfg = TransferConfig(**config)
         cls = KVSender if side == "prefill" else KVReceiver
-        self.kv = cls(cfg, self.layouts)
+        import torch  # the pools' tensors: staged transfers gather / scatter them
+
+        tensors = {r: self.dev.get(r, None) for r in self.bufs}
+        tensors = {
+            r: t if t is not None else torch.from_numpy(self.bufs[r]) for r, t in tensors.items()
+        }
+        self.kv = cls(cfg, self.layouts, tensors)
         self.pages: dict[int, dict[str, list[int]]] = {}  # live allocations
         self.history: dict[int, dict[str, list[int]]] = {}  # every room's pages, kept
         self.released: dict[int, list[str]] = {}
@@ -157,6 +163,25 @@ class Peer:
                         if buf[off : off + lay.page_bytes].any():
                             return False
         return True
+
+    def untouched_except_prompts(self, rooms: list[int], tokens: dict) -> bool:
+        """Like :meth:`untouched`, counting only each room's prompt pages as claimed."""
+        keep = self.history
+        self.history = {
+            r: {role: p[: -(-tokens[r] // self.layouts[role].page_size)] for role, p in h.items()}
+            for r, h in keep.items()
+            if r in rooms
+        }
+        try:
+            return self.untouched(rooms)
+        finally:
+            self.history = keep
+
+    def set_faults(self, spec: str) -> None:
+        """Fault injection on this side's sender (``KVTRANSFER_FAULTS`` syntax)."""
+        from kvtransfer.faults import Faults
+
+        self.kv.faults = Faults.from_env(spec)
 
     def page_size(self, role: str) -> int:
         return self.layouts[role].page_size

@@ -21,11 +21,11 @@ def _fail_writes_of(worker, role: str) -> None:
     engine = worker.sender.engine
     submit = engine.submit
 
-    def failing_submit(session, transfers, callback, fence=None, alive=None):
+    def failing_submit(session, transfers, callback, *args, **kwargs):
         if any(lo <= t.src < hi for t in transfers):
             callback(False)  # as when Mooncake returns a failed status for the batch
             return
-        submit(session, transfers, callback, fence, alive)
+        submit(session, transfers, callback, *args, **kwargs)
 
     engine.submit = failing_submit
 

@@ -30,8 +30,11 @@ def test_bench_ttft_tiny_sweep_json(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout)
-    for key in ("exposed_fraction_pipelined", "groups", "ttft_ms"):
+    for key in ("exposed_fraction_pipelined", "groups", "ttft_ms", "first_token_over_colocated"):
         assert key in out
+    # the client's first token (sent before the KV landed) never comes after TTFT (KV landed)
+    pip = next(r for r in out["rows"] if r["prompt_len"] == 300 and r["mode"] == "pipelined")
+    assert pip["first_token_ms"] <= pip["ttft_ms"]["median"]
     assert set(out["ttft_ms"]) == {"colocated", "serial", "pipelined", "fixed-2"}
     assert all(v > 0 for v in out["ttft_ms"].values())
     assert out["groups"] == 8  # 300 tokens: the adaptive policy streams 8 groups

@@ -161,9 +161,11 @@ def test_draft_kv_transfer_failure_fails_the_request_cleanly():
                 ),
                 c,
             )
-            _, err = prefill.prefill(room, ids)
+            first, err = prefill.prefill(room, ids)
             assert c.done.wait(30)
-            assert c.ids == []  # no token at all, let alone a wrong one
+            # at most the first token, streamed before the KV landed (the one prefill sampled),
+            # never one decoded from a partial KV; then the error ends the stream
+            assert c.ids in ([], [first])
             error = c.events[-1].error
             assert error and "KV transfer failed" in error and "draft layers" in error, error
             print(f"draft KV failure: {error}")

@@ -65,6 +65,8 @@ def _fake_samples() -> list[dict]:
             s.update(ttft_ms=t + run, compute_ms=t * 0.9 if mode == "colocated" else 90.0)
             if mode != "colocated":
                 s.update(tail_ms=t - 90.0, wire_gbps=1.0)
+            # the client's first token: before the KV landed in transfer modes
+            s["first_token_ms"] = t + run if mode == "colocated" else 92.0 + run
             out.append(s)
     return out
 
@@ -90,6 +92,7 @@ def test_rows_and_headline_json_keys():
     assert h["ttft_ms"] == {"colocated": 101, "serial": 201, "pipelined": 131}
     assert h["short_prompt_pipelined_over_serial"] == pytest.approx(22 / 21)
     assert h["serial_overhead"] == pytest.approx(100 / 101)
+    assert h["first_token_over_colocated"] == pytest.approx(93 / 101)
     json.dumps(h)  # one plain JSON object
     table = markdown_table(rows)
     assert table.count("\n") == 2 + len(rows) and "| m | 4096 | 1 | pipelined | 4 |" in table

@@ -113,3 +113,48 @@ def test_pool_layout_rejects_duplicate_roles():
     with pytest.raises(ValueError):
         pool.add(gqa())
     assert set(pool.signatures()) == {"target", "draft"}
+
+
+@pytest.mark.parametrize("attn", ["gqa", "mla"])
+def test_staging_rows_walk_layers_components_then_the_page_list(attn):
+    from kvtransfer.layout import group_units, staging_rows
+
+    kw = (
+        dict(kv_heads=2, head_dim=8)
+        if attn == "gqa"
+        else dict(head_dim=12, kv_lora_rank=8, rope_dim=4)
+    )
+    lay = EntryLayout(
+        role="target", attn=attn, dtype="bfloat16", page_size=4, num_layers=5, num_pages=30,
+        base_addr=1 << 20, **kw,
+    )  # fmt: skip
+    pages, layers = [7, 2, 29, 11], range(1, 4)
+    units = group_units(lay, len(pages), layers)
+    assert units == 3 * lay.components * 4
+    # the reference: (layer, component, page) in that order, as addresses
+    expect = [
+        (lay.page_addr(layer, c, p) - lay.base_addr) // lay.page_bytes
+        for layer in layers
+        for c in range(lay.components)
+        for p in pages
+    ]
+    assert staging_rows(lay, pages, layers, 0, units) == expect
+    assert staging_rows(lay, pages, layers, 5, 3) == expect[5:8]  # a chunk mid-stream
+    for start, count in [(units, 1), (0, units + 1), (-1, 2), (0, 0)]:
+        with pytest.raises(IndexError):
+            staging_rows(lay, pages, layers, start, count)
+    with pytest.raises(IndexError):
+        staging_rows(lay, pages, range(4, 6), 0, 1)  # layer 5 does not exist
+    with pytest.raises(IndexError):
+        staging_rows(lay, [30], layers, 0, 1)  # page outside the pool
+
+
+def test_mean_copy_bytes_tells_contiguous_from_fragmented():
+    from kvtransfer.layout import mean_copy_bytes
+
+    lay = EntryLayout(
+        role="target", attn="gqa", dtype="bfloat16", page_size=16, num_layers=2, num_pages=64,
+        kv_heads=3, head_dim=64,
+    )  # fmt: skip
+    assert mean_copy_bytes(lay, list(range(10)), list(range(20, 30))) == 10 * lay.page_bytes
+    assert mean_copy_bytes(lay, [1, 5, 9], [2, 3, 4]) == lay.page_bytes

@@ -29,6 +29,19 @@ SAMPLES = [
     m.Ping(3),
     m.Pong(3),
     m.Cancel(7),
+    m.Register(
+        8,
+        "127.0.0.1:1234",
+        [m.EntrySpec("target", {"attn": "mla"}, [5], 1 << 40, 16)],
+        9,
+        staging_addr=1 << 41,
+        staging_slots=12,
+        staging_slot_bytes=8 << 20,
+    ),
+    m.Want(7, 3),
+    m.Grant(7, 11),
+    m.Staged(7, 11, "draft", 0, 2, 4096, 1365),
+    m.FirstToken(7, 42),
 ]
 
 

@@ -89,7 +89,10 @@ def build_rows(samples: list[dict]) -> list[dict]:
             "ttft_ms": summarize([s["ttft_ms"] for s in ss]),
             "runs": len({s["run"] for s in ss}),
         }
-        for k in ("compute_ms", "tail_ms", "wire_gbps", "compute_cpu_ms", "other_cpu_ms"):
+        for k in (
+            "compute_ms", "tail_ms", "wire_gbps", "compute_cpu_ms", "other_cpu_ms",
+            "first_token_ms",
+        ):  # fmt: skip
             vals = [s[k] for s in ss if s.get(k) is not None]
             row[k] = statistics.median(vals) if vals else None
         row["tokens_match"] = all(s.get("tokens_match", True) for s in ss)
@@ -150,7 +153,13 @@ def headline(rows: list[dict], long_len: int, short_len: int | None, model: str)
         "target_met": None,
         "short_prompt_len": short_len,
         "short_prompt_pipelined_over_serial": None,
+        # client-visible first token (sent by prefill before the KV landed) vs colocated TTFT
+        "first_token_over_colocated": None,
     }
+    if "pipelined" in long and "colocated" in long:
+        col, ft = long["colocated"]["ttft_ms"]["median"], long["pipelined"].get("first_token_ms")
+        if col and ft is not None:
+            out["first_token_over_colocated"] = ft / col
     if "pipelined" in long:
         p = long["pipelined"]
         out.update(

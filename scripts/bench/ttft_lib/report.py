@@ -14,6 +14,7 @@ SUMMARY_KEYS = (
     "target_met",
     "serial_overhead",
     "short_prompt_pipelined_over_serial",
+    "first_token_over_colocated",
 )
 
 

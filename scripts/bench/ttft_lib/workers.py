@@ -137,19 +137,22 @@ def _decode_make(model: str, page_size: int, num_pages: int, _threads: int, devi
 
 
 def _decode_register(state: dict, arg: dict) -> dict:
-    """Submit every room at once (max_tokens=1), wait until all ended; room -> result."""
+    """Submit every room at once (streaming, max_tokens=1), wait until all ended; room ->
+    result: ``t_first`` when the client got the first token (prefill sends it before the KV
+    lands), ``t_done`` when decode ran the room (its KV landed)."""
     from backends.runtime.sampler import SamplingParams
     from backends.stages.request import StageRequest
 
-    worker, done, cond = state["worker"], {}, threading.Condition()
+    worker, done, first, cond = state["worker"], {}, {}, threading.Condition()
 
     def emitter(room: int):
-        def emit(ev) -> None:  # heartbeats (no tokens) are not the answer: wait for the final
-            if not ev.final:
-                return
+        def emit(ev) -> None:  # heartbeats (no tokens) are not the answer
             with cond:
-                done[room] = (time.time(), ev)
-                cond.notify_all()
+                if ev.token_ids and room not in first:
+                    first[room] = (time.time(), ev.token_ids[0])
+                if ev.final:
+                    done[room] = (time.time(), ev)
+                    cond.notify_all()
 
         return emit
 
@@ -159,6 +162,7 @@ def _decode_register(state: dict, arg: dict) -> dict:
             prompt_ids=ids,
             sampling=SamplingParams(max_tokens=1),
             bootstrap_addr=arg["bootstrap_addr"],
+            stream=True,
         )
         worker.submit(sr, emitter(room))
     with cond:
@@ -166,11 +170,13 @@ def _decode_register(state: dict, arg: dict) -> dict:
     out = {}
     for room, _ in arg["rooms"]:
         t, ev = done.get(room, (None, None))
-        ok = ev is not None and not ev.error and ev.token_ids
+        t_first, token = first.get(room, (None, None))
+        ok = ev is not None and not ev.error and token is not None
         out[room] = {
             "t_done": t,
+            "t_first": t_first,
             "status": "Success" if ok else "Timeout" if ev is None else "Failed",
-            "first_token": ev.token_ids[0] if ok else None,
+            "first_token": token if ok else None,
             "reason": "" if ok or ev is None else ev.error,
         }
     return out
