@@ -1,0 +1,104 @@
+"""Decode-side failover (a mixin of :class:`~.decode.DecodeWorker`, on a decode server whose
+``prefill_servers`` is set): when a room fails before its KV completed (the prefill server
+died, hung or refused), the request is re-dispatched to another prefill server under a fresh
+room, and the client never sees the failure.
+
+* The failed room keeps its pages: the receiver holds them in quarantine until the old prefill
+  confirms its writes drained or is proven gone (write fence unchanged), then the decode loop
+  frees them through the room's release, as for any failed room.
+* The request gets new destination pages (FIFO front: it waited already) and registers them
+  under the fresh room with the prefill server the router picks (never the one that failed it,
+  when another is up). A client cancel still names the request's first room (``client_room``).
+* After ``failover_attempts`` re-dispatches, or when no prefill server takes it, the request
+  ends with an error naming every cause.
+
+Re-dispatch waits for a prefill server's answer (at most ``route_timeout_s`` per server tried),
+so it runs on a small thread pool, never on the decode loop thread; its result is taken by the
+loop (:meth:`_take_rerouted`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+
+from .decode_state import ActiveRequest, Phase
+from .params import StageParams
+from .request import new_room
+from .router import PrefillRouter
+
+log = logging.getLogger(__name__)
+
+NOT_RETRIED = ("aborted by decode",)  # decode gave the room up itself (client cancel, shutdown)
+
+
+class DecodeFailover:
+    def _init_failover(self, params: StageParams) -> None:
+        self.router: PrefillRouter | None = None
+        if params.prefill_servers:
+            self.router = PrefillRouter(
+                params.servers(), params.route_timeout_s, params.probe_interval_s,
+                name=f"{self.name}-failover",
+            )  # fmt: skip
+        self._rerouted: deque[tuple[ActiveRequest, str | None]] = deque()
+        self._reroute_lock = threading.Lock()
+        self._reroute_pool = ThreadPoolExecutor(4, thread_name_prefix=f"{self.name}-reroute")
+        self.counters.setdefault("failovers", 0)
+
+    def _retry(self, r: ActiveRequest, reason: str) -> bool:
+        """Re-dispatch ``r`` (whose room failed with ``reason`` before completing) under a fresh
+        room; False when it is not to be retried (then the caller ends it with the error)."""
+        if self.router is None or r.cancelled or r.cancel_requested() or self._stop:
+            return False
+        if r.attempts >= self.params.failover_attempts or reason.startswith(NOT_RETRIED):
+            return False
+        r.phase = Phase.DONE  # this room's pages wait for its release (quarantine); no event
+        req = msgspec.structs.replace(r.req, room=new_room(), bootstrap_addr="")
+        nxt = ActiveRequest(req, r.emit, r.is_cancelled, origin=r.client_room)
+        nxt.attempts, nxt.t, nxt.last_event = r.attempts + 1, dict(r.t), r.last_event
+        nxt.t["failover"] = time.time()
+        self.counters["failovers"] += 1
+        log.warning(
+            "%s: room %d failed before completing (%s): re-dispatching as room %d",
+            self.name, r.req.room, reason, req.room,
+        )  # fmt: skip
+        self._reroute_pool.submit(self._redispatch, nxt, reason)
+        return True
+
+    def _redispatch(self, nxt: ActiveRequest, why: str) -> None:  # pool thread
+        err = None
+        try:
+            nxt.req, _server = self.router.dispatch(nxt.req)
+        except Exception as e:
+            err = f"KV transfer failed ({why}); re-dispatching it failed too: {e}"
+        with self._cond:
+            self._rerouted.append((nxt, err))
+            self._cond.notify_all()
+
+    def _take_rerouted(self) -> None:  # loop thread
+        while True:
+            with self._cond:
+                if not self._rerouted:
+                    return
+                nxt, err = self._rerouted.popleft()
+                if err is None and not nxt.cancel_requested():
+                    nxt.queued_at = time.monotonic()
+                    self._waiting.appendleft(nxt)  # it waited already: first in line
+                    continue
+            if err is None:  # cancelled meanwhile: nothing registered yet
+                nxt.cancelled = True
+                self._refuse(nxt.req, "client cancelled")
+            self._finish(nxt, error=err)
+
+    def _close_failover(self) -> None:
+        self._reroute_pool.shutdown(wait=False, cancel_futures=True)
+        if self.router is not None:
+            self.router.close()
+
+    def failover_stats(self) -> dict:
+        return {} if self.router is None else {"router": self.router.stats()}

@@ -1,0 +1,60 @@
+"""Triton adapter of the prefill router (core: backends.stages.router.PrefillRouter).
+
+Decoupled, like the prefill model it stands in for: each request is forwarded (on the router's
+threads) and answered with the prefill server's answer, the request carrying its bootstrap
+address; the request closes (final flag) when that server is done with the room or lost it.
+A lost server after the answer is no error here: decode re-dispatches the room
+(backends/stages/decode_failover.py). No server left: the error names each one's reason.
+"""
+
+# ruff: noqa: E402
+import os
+import sys
+
+# The python backend stub runs Python isolated (PYTHONPATH ignored): take it over by hand so the
+# project and its virtual environment import (scripts/serve.sh sets PYTHONPATH).
+sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p not in sys.path]
+
+import triton_python_backend_utils as pb
+
+from backends.stages import triton_glue as g
+from backends.stages.router import PrefillRouter
+from backends.stages.router_metrics import RouterMetrics
+
+FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        g.setup_env()
+        name = args["model_instance_name"]
+        p = g.stage_params(pb, args, "router")
+        self.router = PrefillRouter(p.servers(), p.route_timeout_s, p.probe_interval_s, name)
+        self.metrics = RouterMetrics(pb, "router", name, self.router)
+        self.retirement = g.Retirement(name)
+
+    def _route(self, request) -> None:
+        sender = request.get_response_sender()
+        req = g.stage_request(pb, request)
+
+        def routed(r):
+            sender.send(pb.InferenceResponse(output_tensors=[g.request_tensor(pb, r)]))
+
+        def failed(e):
+            sender.send(g.exception_response(pb, "prefill router", e), flags=FINAL)
+
+        self.router.submit(req, routed, failed, lambda _err: sender.send(flags=FINAL))
+
+    def execute(self, requests):
+        with self.retirement:  # a replaced version exits only between batches
+            for request in requests:
+                try:
+                    self._route(request)
+                except Exception as e:  # invalid (400) or overloaded (503): this one only
+                    sender = request.get_response_sender()
+                    sender.send(g.exception_response(pb, "prefill router", e), flags=FINAL)
+            return None
+
+    def finalize(self):
+        self.metrics.close()
+        self.router.close()
