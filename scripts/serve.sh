@@ -113,6 +113,15 @@ else
   eval "$("$PY" "$ROOT/scripts/triton_paths.py")"
   "$PY" "$ROOT/scripts/triton_paths.py" --install-stub >/dev/null
 fi
+# the secret first: make_repo checks that a non-loopback bootstrap_host has one
+new_secret() { "$PY" -c 'import secrets; print(secrets.token_hex(32))'; }
+if [ -n "$SECRET_FILE" ]; then
+  [ -s "$SECRET_FILE" ] || (umask 077; new_secret >"$SECRET_FILE")
+  PD_SHARED_SECRET="$(tr -d '[:space:]' <"$SECRET_FILE")"
+elif [ -z "${PD_SHARED_SECRET:-}" ]; then
+  PD_SHARED_SECRET="$(new_secret)"  # this server's stages only: HMAC on by default
+fi
+export PD_SHARED_SECRET
 if [ -n "$CKPT" ] || [ ${#SETS[@]} -gt 0 ] || [ ${#PLACE[@]} -gt 0 ] || [ "$ROLE" != all ]; then
   OUT="$RUN_DIR/model_repository-$HTTP"
   MR=("$ROOT/scripts/make_repo.py" --src "$REPO" --out "$OUT" --role "$ROLE")
@@ -130,14 +139,6 @@ done
 [ ${#MODELS[@]} -gt 0 ] || die "no models in $REPO"
 MODEL_LIST="$(IFS=,; echo "${MODELS[*]}")"
 
-new_secret() { "$PY" -c 'import secrets; print(secrets.token_hex(32))'; }
-if [ -n "$SECRET_FILE" ]; then
-  [ -s "$SECRET_FILE" ] || (umask 077; new_secret >"$SECRET_FILE")
-  PD_SHARED_SECRET="$(tr -d '[:space:]' <"$SECRET_FILE")"
-elif [ -z "${PD_SHARED_SECRET:-}" ]; then
-  PD_SHARED_SECRET="$(new_secret)"  # this server's stages only: HMAC on by default
-fi
-export PD_SHARED_SECRET
 SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export GLOG_minloglevel="${GLOG_minloglevel:-2}" TOKENIZERS_PARALLELISM=false MC_FORCE_TCP="${MC_FORCE_TCP:-1}"

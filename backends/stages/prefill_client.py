@@ -126,7 +126,12 @@ class PrefillClient:
     def __init__(self, host: str, grpc_port: int, metrics_port: int):
         self.name = f"{host}:{grpc_port}"
         self.metrics_url = f"http://{host}:{metrics_port}/metrics"
-        opts = [("grpc.max_receive_message_length", 64 << 20)]
+        opts = [  # a restarted server is reachable again within a second, not after minutes
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
         self.channel = grpc.insecure_channel(self.name, options=opts)
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
 
