@@ -104,10 +104,11 @@ class PrefillRouter:
         route_timeout_s: float = 10.0,
         probe_interval_s: float = 0.5,
         name: str = "router",
+        client=PrefillClient,  # (host, grpc_port, metrics_port) -> client (tests pass fakes)
     ):
         if not servers:
             raise ValueError("the router needs at least one prefill server (prefill_servers)")
-        self.servers = [PrefillServer(PrefillClient(*s)) for s in servers]
+        self.servers = [PrefillServer(client(*s)) for s in servers]
         self.route_timeout_s, self.probe_interval_s, self.name = (
             route_timeout_s, probe_interval_s, name
         )  # fmt: skip
