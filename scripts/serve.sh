@@ -116,7 +116,7 @@ fi
 # the secret first: make_repo checks that a non-loopback bootstrap_host has one
 new_secret() { "$PY" -c 'import secrets; print(secrets.token_hex(32))'; }
 if [ -n "$SECRET_FILE" ]; then
-  [ -s "$SECRET_FILE" ] || (umask 077; new_secret >"$SECRET_FILE")
+  [ -s "$SECRET_FILE" ] || (umask 077; mkdir -p "$(dirname "$SECRET_FILE")"; new_secret >"$SECRET_FILE")
   PD_SHARED_SECRET="$(tr -d '[:space:]' <"$SECRET_FILE")"
 elif [ -z "${PD_SHARED_SECRET:-}" ]; then
   PD_SHARED_SECRET="$(new_secret)"  # this server's stages only: HMAC on by default
