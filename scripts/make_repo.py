@@ -148,8 +148,13 @@ def make_repo(
         if stage not in configs:
             continue
         configs[stage] = set_instances(configs[stage], int(n))
-    if role == "decode" and not parse_params(read_params(configs["router"])).prefill_servers:
-        raise SystemExit("--role decode needs --set prefill_servers=HOST:GRPC_PORT[,...]")
+    rp = parse_params(read_params(configs["router"])) if role == "decode" else None
+    if rp and not (
+        rp.prefill_servers or rp.local_prefill_max_tokens or rp.local_prefill_busy_tokens
+    ):
+        raise SystemExit(
+            "--role decode needs --set prefill_servers=HOST:GRPC_PORT[,...] (or local prefill)"
+        )
     for stage, ids in (gpus or {}).items():
         if stage not in configs:
             continue

@@ -42,7 +42,7 @@ from ..runtime.spec import DraftSpec, SpecEngine
 from . import errors
 from .cancel import CancelListener
 from .decode_control import DecodeControl
-from .decode_failover import DecodeFailover
+from .decode_failover import LOCAL, DecodeFailover
 from .decode_state import PREFIX_WINDOW, ActiveRequest, DecodeEvent, Emit, Phase
 from .draft import DRAFT, explain_failure, load_stage_draft, make_draft_pool, spec_stats
 from .params import StageParams
@@ -207,6 +207,10 @@ class DecodeWorker(DecodeControl, DecodeFailover):
                 if not self._waiting:
                     return
                 r = self._waiting[0]
+                if r.req.bootstrap_addr == LOCAL:  # prefilled here by the engine: no pages yet
+                    self._local.append(self._waiting.popleft())
+                    self._cond.notify_all()
+                    continue
                 n = len(r.req.prompt_ids) + r.req.sampling.max_tokens - 1
                 need = {role: p.pages_needed(n) for role, p in self.pools.items()}
                 if any(need[role] > p.num_free for role, p in self.pools.items()):
@@ -246,12 +250,14 @@ class DecodeWorker(DecodeControl, DecodeFailover):
         while not self._stop:
             with self._cond:
                 busy = self._ready or self._failed or self._cancel_rooms or self._rerouted
+                busy = busy or self._local
                 if not (busy or self.engine.has_unfinished()):
                     self._cond.wait(0.05)
             try:
                 self._poll_cancelled()
                 self._take_failed()
                 self._take_rerouted()
+                self._take_local()
                 self._take_ready()
                 self._register_waiting()
                 self._expire_waiting()

@@ -1,7 +1,13 @@
-"""Decode-side failover (a mixin of :class:`~.decode.DecodeWorker`, on a decode server whose
-``prefill_servers`` is set): when a room fails before its KV completed (the prefill server
-died, hung or refused), the request is re-dispatched to another prefill server under a fresh
-room, and the client never sees the failure.
+"""A decode server's side of routing (a mixin of :class:`~.decode.DecodeWorker`): local
+prefill and failover.
+
+Local prefill (conditional disaggregation): a request the router marked ``LOCAL`` (short
+prompt, or every prefill server busy) goes straight into this worker's engine, which prefills
+it in its own pool: no pages registered, no KV transfer (:meth:`_take_local`).
+
+Failover (``prefill_servers`` set): when a room fails before its KV completed (the prefill
+server died, hung or refused), the request is re-dispatched to another prefill server under a
+fresh room, and the client never sees the failure.
 
 * The failed room keeps its pages: the receiver holds them in quarantine until the old prefill
   confirms its writes drained or is proven gone (write fence unchanged), then the decode loop
@@ -30,7 +36,9 @@ import msgspec
 from .decode_state import ActiveRequest, Phase
 from .params import StageParams
 from .request import new_room
-from .router import PrefillRouter
+from .router import LOCAL, PrefillRouter
+
+__all__ = ["LOCAL", "DecodeFailover"]
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +48,14 @@ NOT_RETRIED = ("aborted by decode",)  # decode gave the room up itself (client c
 class DecodeFailover:
     def _init_failover(self, params: StageParams) -> None:
         self.router: PrefillRouter | None = None
+        self.counters.setdefault("local_prefills", 0)
         if params.prefill_servers:
             self.router = PrefillRouter(
                 params.servers(), params.route_timeout_s, params.probe_interval_s,
                 name=f"{self.name}-failover",
             )  # fmt: skip
         self._rerouted: deque[tuple[ActiveRequest, str | None]] = deque()
+        self._local: deque[ActiveRequest] = deque()  # to prefill in this engine
         self._reroute_lock = threading.Lock()
         self._reroute_pool = ThreadPoolExecutor(4, thread_name_prefix=f"{self.name}-reroute")
         self.counters.setdefault("failovers", 0)
@@ -94,6 +104,22 @@ class DecodeFailover:
                 nxt.cancelled = True
                 self._refuse(nxt.req, "client cancelled")
             self._finish(nxt, error=err)
+
+    def _take_local(self) -> None:  # loop thread
+        while True:
+            with self._cond:
+                if not self._local:
+                    return
+                r = self._local.popleft()
+            try:
+                self.engine.add_request(r.seq_id, r.req.prompt_ids, r.req.sampling)
+            except Exception as e:  # this request only
+                self._finish(r, error=f"decode could not take the request: {e}")
+                continue
+            r.t["local_prefill"] = time.time()
+            self.counters["local_prefills"] = self.counters.get("local_prefills", 0) + 1
+            r.phase = Phase.RUNNING
+            self._running[r.seq_id] = r
 
     def _close_failover(self) -> None:
         self._reroute_pool.shutdown(wait=False, cancel_futures=True)

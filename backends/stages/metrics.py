@@ -53,6 +53,8 @@ METRICS = [
     Metric("pd_failovers_total", C, "failovers",
            "Requests decode re-dispatched to another prefill server (room failed before its KV"
            " completed: server died, hung or refused)"),
+    Metric("pd_local_prefills_total", C, "local_prefills",
+           "Requests a decode server prefilled itself (local_prefill_*: no KV transfer)"),
     Metric("pd_kv_pages_quarantined", G, "quarantined_pages",
            "Decode pages of ended rooms a prefill may still write into (held until it drains)"),
     Metric("pd_loop_errors_total", C, "loop_errors",

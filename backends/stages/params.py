@@ -169,6 +169,18 @@ class StageParams:
         "the router polls each prefill server's queue metric (and probes a server marked down"
         " for readiness) this often",
     )
+    local_prefill_max_tokens: int = _p(
+        0,
+        ("router",),
+        "conditional disaggregation: prompts of at most this many tokens are prefilled by the"
+        " decode server itself (no KV transfer); `0` = never; very high = colocated serving",
+    )
+    local_prefill_busy_tokens: int = _p(
+        0,
+        ("router",),
+        "prefill locally too when every prefill server that is up has more queued prompt"
+        " tokens than this (or none is up); `0` = never for load",
+    )
     failover_attempts: int = _p(
         3,
         ("decode",),
@@ -202,6 +214,8 @@ class StageParams:
             )
         if self.lg_fixed_group_size < 0:
             raise ValueError("parameter lg_fixed_group_size must be >= 0 (0 = adaptive policy)")
+        if self.local_prefill_max_tokens < 0 or self.local_prefill_busy_tokens < 0:
+            raise ValueError("parameters local_prefill_* must be >= 0 (0 = off)")
         if self.route_timeout_s <= 0 or self.probe_interval_s <= 0:
             raise ValueError("parameters route_timeout_s and probe_interval_s must be > 0")
         self.servers()  # prefill_servers parses

@@ -39,6 +39,7 @@ from .request import StageRequest
 log = logging.getLogger(__name__)
 
 OnEnd = Callable[[str | None], None]
+LOCAL = "local"  # bootstrap address of a request the decode server prefills itself
 MAX_PENDING = 256  # requests waiting for a prefill server's answer (submit), all together
 
 
@@ -105,8 +106,11 @@ class PrefillRouter:
         probe_interval_s: float = 0.5,
         name: str = "router",
         client=PrefillClient,  # (host, grpc_port, metrics_port) -> client (tests pass fakes)
+        local_max_tokens: int = 0,
+        local_busy_tokens: int = 0,
     ):
-        if not servers:
+        self.local_max_tokens, self.local_busy_tokens = local_max_tokens, local_busy_tokens
+        if not servers and not self.local:
             raise ValueError("the router needs at least one prefill server (prefill_servers)")
         self.servers = [PrefillServer(client(*s)) for s in servers]
         self.route_timeout_s, self.probe_interval_s, self.name = (
@@ -115,6 +119,7 @@ class PrefillRouter:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.counters = dict.fromkeys(("requests", "routed", "no_server", "loop_errors"), 0)
+        self.local_counters = dict.fromkeys(("dispatched", "tokens"), 0)
         self._pending = 0
         self._pool = ThreadPoolExecutor(16, thread_name_prefix=f"{name}-dispatch")
         self._thread = threading.Thread(target=self._poll_loop, name=f"{name}-poll", daemon=True)
@@ -165,6 +170,8 @@ class PrefillRouter:
         runs with the answer first; then, once, ``on_end(error)`` when prefill is done with the
         room (error None) or the server was lost (never for a server that did not answer)."""
         self.counters["requests"] += 1
+        if self._prefill_here(len(req.prompt_ids)):
+            return self._local(req, on_end, deliver)
         reasons: dict[str, str] = {}
         tried: set[str] = set(exclude)
         while True:
@@ -183,8 +190,35 @@ class PrefillRouter:
                     s.counters["refused"] += 1
                 if e.down:
                     self._mark_down(s, str(e))
+        if self.local:  # nothing left to forward to, but this server can prefill
+            return self._local(req, on_end, deliver)
         self.counters["no_server"] += 1
         raise self._no_server(reasons, exclude)
+
+    @property
+    def local(self) -> bool:
+        """Conditional disaggregation is on: some prompts are prefilled by the decode server."""
+        return bool(self.local_max_tokens or self.local_busy_tokens)
+
+    def _prefill_here(self, n: int) -> bool:
+        """Short prompts, and every prompt while all prefill servers are busy (or down)."""
+        if n <= self.local_max_tokens:
+            return True
+        if not self.local_busy_tokens:
+            return False
+        up = self.order()
+        return not up or up[0].load() > self.local_busy_tokens
+
+    def _local(self, req: StageRequest, on_end, deliver) -> tuple[StageRequest, str]:
+        with self._lock:
+            self.local_counters["dispatched"] += 1
+            self.local_counters["tokens"] += len(req.prompt_ids)
+        routed = req.with_bootstrap(LOCAL)
+        if deliver is not None:
+            deliver(routed)
+        if on_end is not None:
+            on_end(None)  # nothing runs here: decode prefills it in its own engine
+        return routed, LOCAL
 
     def _no_server(self, reasons: dict[str, str], exclude) -> Exception:
         with self._lock:
@@ -274,6 +308,9 @@ class PrefillRouter:
                 }
                 for s in self.servers
             }
+            if self.local:
+                zero = dict.fromkeys(("up", "load", "queued", "outstanding", "refused", "lost"), 0)
+                per[LOCAL] = {**zero, "up": 1, **self.local_counters}
         return {"servers": per, **self.counters}
 
     def close(self) -> None:

@@ -25,9 +25,9 @@ class RouterMetrics:
                 kind=mf.COUNTER if mt.kind == "counter" else mf.GAUGE,
             )
             self.families.append(fam)
-            for s in router.servers:
-                labels = {"stage": stage, "instance": instance, "server": s.name}
-                self.metrics.append((mt.kind, mt.key, s.name, fam.Metric(labels=labels), [0.0]))
+            for server in router.stats()["servers"]:  # + "local" with local prefill
+                labels = {"stage": stage, "instance": instance, "server": server}
+                self.metrics.append((mt.kind, mt.key, server, fam.Metric(labels=labels), [0.0]))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="router-metrics", daemon=True)
         self._thread.start()

@@ -181,3 +181,52 @@ def test_servers_parameter_parses_and_rejects():
     for bad in ("10.0.0.1", "10.0.0.1:x", "h:8001,h:8001", "h:0"):
         with pytest.raises(ValueError, match="prefill_servers"):
             StageParams(prefill_servers=bad)
+
+
+def make_local(n=2, max_tokens=0, busy=0):
+    servers = [("10.0.0.1", 8001 + 100 * i, 8002 + 100 * i) for i in range(n)]
+    r = PrefillRouter(
+        servers, 1.0, 3600.0, client=FakeClient, local_max_tokens=max_tokens, local_busy_tokens=busy
+    )
+    return r, [s.client for s in r.servers]
+
+
+def test_short_prompts_are_prefilled_locally_and_long_ones_forwarded():
+    from backends.stages.router import LOCAL
+
+    r, (a, b) = make_local(max_tokens=16)
+    ends = []
+    routed, name = r.dispatch(req(1, 16), on_end=ends.append)
+    assert name == LOCAL and routed.bootstrap_addr == LOCAL and ends == [None]
+    assert not a.forwards and not b.forwards
+    assert r.dispatch(req(2, 17))[1] in (a.name, b.name)
+    assert r.stats()["servers"][LOCAL]["dispatched"] == 1
+
+
+def test_every_prompt_is_local_while_all_prefill_servers_are_busy():
+    from backends.stages.router import LOCAL
+
+    r, (a, b) = make_local(busy=500)
+    a.queued, b.queued = 600.0, 900.0
+    poll(r)
+    assert r.dispatch(req(1, 300))[1] == LOCAL
+    a.queued = 100.0
+    poll(r)
+    assert r.dispatch(req(2, 300))[1] == a.name  # one has room again
+
+
+def test_local_prefill_when_no_prefill_server_is_left():
+    from backends.stages.router import LOCAL
+
+    r, (a,) = make_local(n=1, busy=10_000)
+    a.refuse, a.down = "UNAVAILABLE: connection refused", True
+    assert r.dispatch(req(1, 300))[1] == LOCAL
+
+
+def test_colocated_needs_no_prefill_server():
+    from backends.stages.router import LOCAL
+
+    r = PrefillRouter([], 1.0, 3600.0, client=FakeClient, local_max_tokens=100_000)
+    assert r.dispatch(req(1, 2000))[1] == LOCAL
+    with pytest.raises(ValueError, match="at least one prefill server"):
+        PrefillRouter([], 1.0, 3600.0, client=FakeClient)

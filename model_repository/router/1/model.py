@@ -29,7 +29,11 @@ class TritonPythonModel:
         g.setup_env()
         name = args["model_instance_name"]
         p = g.stage_params(pb, args, "router")
-        self.router = PrefillRouter(p.servers(), p.route_timeout_s, p.probe_interval_s, name)
+        self.router = PrefillRouter(
+            p.servers(), p.route_timeout_s, p.probe_interval_s, name,
+            local_max_tokens=p.local_prefill_max_tokens,
+            local_busy_tokens=p.local_prefill_busy_tokens,
+        )  # fmt: skip
         self.metrics = RouterMetrics(pb, "router", name, self.router)
         self.retirement = g.Retirement(name)
 
