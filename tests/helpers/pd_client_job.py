@@ -1,7 +1,7 @@
 """Run a batch of ensemble requests concurrently over gRPC and print the results as JSON (run
 inside a test bed's network namespace by the multi-host tests).
 
-    python pd_client_job.py URL JOBS.json   # JOBS: [{"text", "max_tokens", "stream"}, ...]
+    python pd_client_job.py URL JOBS.json  # [{"text", "max_tokens", "stream"[, "chat"]}, ...]
 prints [{"ids": [...], "text": "...", "error": null | "..."}, ...] in job order.
 """
 
@@ -26,7 +26,7 @@ def main() -> None:
         fields = {
             "text_input": job["text"],
             "max_tokens": job["max_tokens"],
-            "apply_chat_template": True,
+            "apply_chat_template": job.get("chat", True),
             "stream": job["stream"],
         }
         try:

@@ -35,6 +35,8 @@ PROMPTS = [
     "Name a planet in the solar system.",
 ]
 MAX_TOKENS = 12
+LOCAL_MAX = 8  # the decode server prefills prompts this short itself (conditional disagg.)
+SHORT = "The capital of France is"  # without the chat template: < LOCAL_MAX tokens
 SETS = ["num_pages=128", "max_context=512", "max_tokens_limit=256", "bootstrap_timeout_s=5"]
 
 
@@ -85,7 +87,7 @@ class Node:
         ).stdout
         out: dict[tuple[str, str], float] = {}
         for line in text.splitlines():
-            if line.startswith(("pd_router_", "pd_failovers_total")):
+            if line.startswith(("pd_router_", "pd_failovers_total", "pd_local_prefills_total")):
                 head, value = line.rsplit(" ", 1)
                 server = head.split('server="', 1)[1].split('"')[0] if "server=" in head else ""
                 key = (head.split("{")[0], server)
@@ -115,7 +117,8 @@ def cluster(tmp_path_factory):
         for name in ("p1", "p2"):
             nodes[name] = Node(name, bed, tmp, "prefill", [])
         servers = f"{nodes['p1'].addr},{nodes['p2'].addr}"
-        nodes["d"] = Node("d", bed, tmp, "decode", ["--prefill-servers", servers])
+        local = ["--set", f"router.local_prefill_max_tokens={LOCAL_MAX}"]
+        nodes["d"] = Node("d", bed, tmp, "decode", ["--prefill-servers", servers, *local])
         started([n.start() for n in nodes.values()])
         yield nodes
     finally:
@@ -150,7 +153,7 @@ def check_equal(jobs, res, reference) -> None:
     errors = [r["error"] for r in res if r["error"]]
     assert errors == []
     for job, r in zip(jobs, res, strict=True):
-        want = reference.greedy(job["text"], True, MAX_TOKENS)
+        want = reference.greedy(job["text"], job.get("chat", True), MAX_TOKENS)
         assert r["ids"] == want, (job, r)
         assert r["text"] == reference.text(want)
 
@@ -171,6 +174,19 @@ def test_outputs_equal_reference_and_both_prefill_servers_used(cluster, referenc
     jobs = jobs_of(2 * len(PROMPTS))  # every prompt streaming and not
     check_equal(jobs, results(ask(d, jobs)), reference)
     assert routed(d, p1) > 0 and routed(d, p2) > 0
+    assert d.metrics().get(("pd_local_prefills_total", ""), 0.0) == 0.0  # all chat prompts long
+
+
+def test_short_prompt_is_prefilled_on_the_decode_server(cluster, reference):
+    d, p1, p2 = cluster["d"], cluster["p1"], cluster["p2"]
+    assert len(reference.prompt_ids(SHORT, False)) <= LOCAL_MAX
+    before = routed(d, p1) + routed(d, p2)
+    jobs = [{"text": SHORT, "max_tokens": MAX_TOKENS, "stream": s, "chat": False} for s in (0, 1)]
+    check_equal(jobs, results(ask(d, jobs)), reference)
+    m = d.metrics()
+    assert m[("pd_local_prefills_total", "")] == 2.0
+    assert m[("pd_router_requests_total", "local")] == 2.0
+    assert routed(d, p1) + routed(d, p2) == before  # no prefill server saw them
 
 
 def test_sigkill_of_a_prefill_server_loses_nothing_and_it_comes_back(cluster, reference):
