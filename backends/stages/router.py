@@ -25,7 +25,9 @@ response (e.g. overloaded) moves on to the next server without marking it down.
 from __future__ import annotations
 
 import enum
+import ipaddress
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +42,21 @@ log = logging.getLogger(__name__)
 
 OnEnd = Callable[[str | None], None]
 LOCAL = "local"  # bootstrap address of a request the decode server prefills itself
+RESOLVE_EVERY = 10  # poll rounds between DNS look-ups of the prefill servers' host names
 MAX_PENDING = 256  # requests waiting for a prefill server's answer (submit), all together
+
+
+def resolve(host: str) -> list[str]:
+    """An IP address as is; a host name -> its IPv4 addresses (sorted; none if unknown)."""
+    try:
+        ipaddress.ip_address(host)
+        return [host]
+    except ValueError:
+        pass
+    try:
+        return sorted(set(socket.gethostbyname_ex(host)[2]))
+    except OSError:
+        return []
 
 
 class ServerState(enum.IntEnum):
@@ -110,13 +126,15 @@ class PrefillRouter:
         local_busy_tokens: int = 0,
     ):
         self.local_max_tokens, self.local_busy_tokens = local_max_tokens, local_busy_tokens
-        if not servers and not self.local:
+        if not servers and not (local_max_tokens or local_busy_tokens):
             raise ValueError("the router needs at least one prefill server (prefill_servers)")
-        self.servers = [PrefillServer(client(*s)) for s in servers]
         self.route_timeout_s, self.probe_interval_s, self.name = (
             route_timeout_s, probe_interval_s, name
         )  # fmt: skip
+        self.specs, self.client = list(servers), client
+        self.servers: list[PrefillServer] = []
         self._lock = threading.Lock()
+        self._refresh()
         self._stop = threading.Event()
         self.counters = dict.fromkeys(("requests", "routed", "no_server", "loop_errors"), 0)
         self.local_counters = dict.fromkeys(("dispatched", "tokens"), 0)
@@ -286,9 +304,35 @@ class PrefillRouter:
                 s.state, s.reason = ServerState.Up, ""
                 log.warning("%s: prefill server %s is up again", self.name, s.name)
 
+    def _refresh(self) -> None:
+        """(Re)resolve the configured hosts: a DNS name with several addresses (a Kubernetes
+        headless Service) is one prefill server per address. New addresses join (Up); gone ones
+        leave once nothing of this router runs there."""
+        want = {}
+        for host, grpc_port, metrics_port in self.specs:
+            for ip in resolve(host):
+                want[f"{ip}:{grpc_port}"] = (ip, grpc_port, metrics_port)
+        with self._lock:
+            have = {s.name: s for s in self.servers}
+            gone = [s for n, s in have.items() if n not in want and not s.outstanding]
+            new = [PrefillServer(self.client(*want[n])) for n in want if n not in have]
+            self.servers = [s for s in self.servers if s not in gone] + new
+        for s in gone:
+            s.client.close()
+        if new or gone:
+            log.warning("%s: prefill servers now %s", self.name, [s.name for s in self.servers])
+
     def _poll_loop(self) -> None:
+        rounds = 0
         while not self._stop.wait(self.probe_interval_s):
-            for s in self.servers:
+            rounds += 1
+            if rounds % RESOLVE_EVERY == 0:
+                try:
+                    self._refresh()
+                except Exception:
+                    self.counters["loop_errors"] += 1
+                    log.exception("%s: resolving the prefill servers failed", self.name)
+            for s in list(self.servers):
                 try:
                     self._poll_one(s)
                 except Exception:  # the loop never dies

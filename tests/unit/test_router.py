@@ -230,3 +230,17 @@ def test_colocated_needs_no_prefill_server():
     assert r.dispatch(req(1, 2000))[1] == LOCAL
     with pytest.raises(ValueError, match="at least one prefill server"):
         PrefillRouter([], 1.0, 3600.0, client=FakeClient)
+
+
+def test_a_dns_name_with_several_addresses_is_one_server_each(monkeypatch):
+    """A Kubernetes headless Service: scaling the prefill pool changes the name's addresses."""
+    from backends.stages import router as rt
+
+    addrs = {"pd-prefill": ["10.1.0.5", "10.1.0.7"]}
+    monkeypatch.setattr(rt.socket, "gethostbyname_ex", lambda h: (h, [], addrs[h]))
+    r = PrefillRouter([("pd-prefill", 8001, 8002)], 1.0, 3600.0, client=FakeClient)
+    assert sorted(s.name for s in r.servers) == ["10.1.0.5:8001", "10.1.0.7:8001"]
+    addrs["pd-prefill"] = ["10.1.0.7", "10.1.0.9"]  # one pod gone, one new
+    r._refresh()
+    assert sorted(s.name for s in r.servers) == ["10.1.0.7:8001", "10.1.0.9:8001"]
+    assert r.dispatch(req())[1] in ("10.1.0.7:8001", "10.1.0.9:8001")
