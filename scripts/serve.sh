@@ -3,7 +3,7 @@
 #
 #   scripts/serve.sh [--model-repo DIR] [--model CKPT] [--http-port 8000] [--grpc-port 8001]
 #                    [--metrics-port 8002] [--host 127.0.0.1] [--bootstrap-host 127.0.0.1]
-#                    [--secret-file FILE] [--set [stage.]param=value ...]
+#                    [--secret-file FILE] [--set [stage.]param=value ...] [--set-file FILE]
 #                    [--draft DIR | --draft-layers K] [--spec-tokens N]
 #                    [--prefill-gpus 0,1] [--decode-gpus 2,3]
 #                    [--role all|prefill|decode] [--prefill-servers HOST:GRPC_PORT[,...]]
@@ -18,7 +18,8 @@
 # --bootstrap-host: address the stages' KV control and data planes bind to (default loopback).
 # Shared secret (HMAC on every control message): --secret-file (created, mode 600, if missing;
 # give every server of a deployment the same file) or $PD_SHARED_SECRET; else a random one per
-# start. --model CKPT / --set / --draft* / --*-gpus write a tuned copy of the repository
+# start. --model CKPT / --set (--set-file: one per line) / --draft* / --*-gpus write a tuned copy
+# of the repository
 # (scripts/make_repo.py). Speculative decoding: --draft DIR (a draft checkpoint sharing the
 # target's vocabulary), --draft-layers K (self-draft), --spec-tokens N. --prefill-gpus /
 # --decode-gpus LIST place a stage on GPUs (KIND_GPU, one instance per GPU); without them a
@@ -54,6 +55,13 @@ while [ $# -gt 0 ]; do
       shift 2 ;;
     --prefill-servers) SETS+=(--set "prefill_servers=$2"); shift 2 ;;
     --set) SETS+=(--set "$2"); shift 2 ;;
+    --set-file)  # one [stage.]param=value per line (# comments), e.g. a mounted ConfigMap
+      [ -f "${2:-}" ] || die "--set-file ${2:-} is not a file"
+      while IFS= read -r line || [ -n "$line" ]; do
+        line="${line%%#*}"; line="$(echo "$line" | tr -d '[:space:]')"
+        [ -n "$line" ] && SETS+=(--set "$line")
+      done <"$2"
+      shift 2 ;;
     --model) CKPT="$2"; shift 2 ;;
     --model-repo) REPO="$2"; shift 2 ;;
     --log) LOG="$2"; shift 2 ;;
