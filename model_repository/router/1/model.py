@@ -2,9 +2,10 @@
 
 Decoupled, like the prefill model it stands in for: each request is forwarded (on the router's
 threads) and answered with the prefill server's answer, the request carrying its bootstrap
-address; the request closes (final flag) when that server is done with the room or lost it.
-A lost server after the answer is no error here: decode re-dispatches the room
-(backends/stages/decode_failover.py). No server left: the error names each one's reason.
+address, as its one and final response. The router step never waits for the prefill server to
+finish the room: a server that hangs after its answer must not hold the client's request open;
+decode alone watches the room and re-dispatches it (backends/stages/decode_failover.py). No
+server left: the error names each one's reason.
 """
 
 # ruff: noqa: E402
@@ -41,13 +42,13 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         req = g.stage_request(pb, request)
 
-        def routed(r):
-            sender.send(pb.InferenceResponse(output_tensors=[g.request_tensor(pb, r)]))
+        def routed(r):  # final at once: decode alone waits for the prefill server from here
+            sender.send(pb.InferenceResponse(output_tensors=[g.request_tensor(pb, r)]), flags=FINAL)
 
         def failed(e):
             sender.send(g.exception_response(pb, "prefill router", e), flags=FINAL)
 
-        self.router.submit(req, routed, failed, lambda _err: sender.send(flags=FINAL))
+        self.router.submit(req, routed, failed)
 
     def execute(self, requests):
         with self.retirement:  # a replaced version exits only between batches
