@@ -213,3 +213,33 @@ def test_sigkill_of_a_prefill_server_loses_nothing_and_it_comes_back(cluster, re
     jobs = jobs_of(len(PROMPTS))
     check_equal(jobs, results(ask(d, jobs)), reference)
     assert routed(d, p1) > before  # taken back: it gets requests again
+
+
+def test_a_hung_prefill_server_loses_nothing_and_is_taken_back_when_it_resumes(cluster, reference):
+    """SIGSTOP (a hang: connections stay up, nothing answers) during 12 requests."""
+    d, p2 = cluster["d"], cluster["p2"]
+    key = f"{p2.host}:{p2.grpc}"
+    before = routed(d, p2)
+    m0 = d.metrics()
+    hit0 = m0[("pd_failovers_total", "")] + m0[("pd_router_refused_total", key)]
+    jobs = jobs_of(12)
+    proc = ask(d, jobs)
+    end = time.monotonic() + 120
+    while routed(d, p2) < before + 2 and time.monotonic() < end:  # p2 holds some of them
+        time.sleep(0.1)
+    os.killpg(p2.pid(), signal.SIGSTOP)
+    try:
+        check_equal(jobs, results(proc), reference)  # the client never waits on the hung one
+        m = d.metrics()
+        assert m[("pd_router_server_up", key)] == 0.0
+        # the hang caught work there: rooms re-dispatched by decode, or forwards unanswered
+        assert m[("pd_failovers_total", "")] + m[("pd_router_refused_total", key)] > hit0
+    finally:
+        os.killpg(p2.pid(), signal.SIGCONT)
+    end = time.monotonic() + 60
+    while d.metrics().get(("pd_router_server_up", key)) != 1.0 and time.monotonic() < end:
+        time.sleep(0.25)
+    before = routed(d, p2)
+    jobs = jobs_of(len(PROMPTS))
+    check_equal(jobs, results(ask(d, jobs)), reference)
+    assert routed(d, p2) > before
