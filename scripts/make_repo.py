@@ -12,6 +12,11 @@ place a stage on GPUs: its ``instance_group`` becomes ``KIND_GPU`` with those GP
 per GPU (times ``--instances``), and ``device: auto`` (the default) runs each on its own GPU.
 Values are checked with the same parser the stages use at load, so a repository that make_repo
 writes loads.
+
+``--role`` picks the models of one server of a deployment: ``all`` (default) the single server
+(no router); ``prefill`` only the prefill model (a prefill server); ``decode`` the client-facing
+ensemble whose prefill step is the ``router`` model, forwarding to ``--set
+prefill_servers=HOST:GRPC_PORT,...`` (a decode server).
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ sys.path.insert(0, ROOT)
 from backends.stages.params import SCHEMA, STAGES, parse_params, stages_of  # noqa: E402
 
 SRC = os.path.join(ROOT, "model_repository")
+ROLES = {  # the models each server role serves
+    "all": ("preprocess", "prefill", "decode", "postprocess", "ensemble"),
+    "prefill": ("prefill",),
+    "decode": ("preprocess", "router", "decode", "postprocess", "ensemble"),
+}
 _PARAM = r'(parameters:\s*\{{\s*key:\s*"{}"\s*value:\s*\{{\s*string_value:\s*")([^"]*)(")'
 
 
@@ -80,6 +90,23 @@ def parse_gpus(spec: str, flag: str) -> list[int]:
     return gpus
 
 
+def apply_role(out: str, role: str) -> None:
+    """Keep the models of ``role``; a decode server's ensemble calls the router for prefill."""
+    if role not in ROLES:
+        raise SystemExit(f"--role {role!r}: expected one of {sorted(ROLES)}")
+    for name in os.listdir(out):
+        if os.path.isdir(os.path.join(out, name)) and name not in ROLES[role]:
+            shutil.rmtree(os.path.join(out, name))
+    if role == "decode":
+        path = os.path.join(out, "ensemble", "config.pbtxt")
+        text = open(path).read()
+        new, n = re.subn(r'model_name:\s*"prefill"', 'model_name: "router"', text)
+        if n != 1:
+            raise SystemExit("ensemble config has no single prefill step to route")
+        with open(path, "w") as f:
+            f.write(new)
+
+
 def make_repo(
     out: str,
     model: str | None = None,
@@ -87,13 +114,16 @@ def make_repo(
     instances=(),
     src: str = SRC,
     gpus: dict[str, list[int]] | None = None,
+    role: str = "all",
 ) -> str:
     if os.path.abspath(out) == os.path.abspath(src):
         raise SystemExit("--out must differ from the source repository")
     if os.path.exists(out):
         shutil.rmtree(out)
     shutil.copytree(src, out, ignore=shutil.ignore_patterns("__pycache__"))
-    configs = {s: open(os.path.join(out, s, "config.pbtxt")).read() for s in STAGES}
+    apply_role(out, role)
+    present = [s for s in STAGES if os.path.isdir(os.path.join(out, s))]
+    configs = {s: open(os.path.join(out, s, "config.pbtxt")).read() for s in present}
     changes: list[tuple[str | None, str, str]] = []
     if model:
         changes.append((None, "model_dir", os.path.abspath(model)))
@@ -109,14 +139,25 @@ def make_repo(
         if name not in SCHEMA:
             raise SystemExit(f"--set {name}: unknown parameter; known: {sorted(SCHEMA)}")
         targets = [stage] if stage else list(stages_of(name))
-        for s in targets:
+        for s in [t for t in targets if t in configs]:  # stages of other server roles: skip
             configs[s] = set_param(configs[s], name, value)
     for item in instances:
         stage, _, n = item.partition("=")
         if stage not in STAGES or not n.isdigit() or int(n) < 1:
             raise SystemExit(f"--instances {item!r}: expected STAGE=N with N >= 1")
+        if stage not in configs:
+            continue
         configs[stage] = set_instances(configs[stage], int(n))
+    rp = parse_params(read_params(configs["router"])) if role == "decode" else None
+    if rp and not (
+        rp.prefill_servers or rp.local_prefill_max_tokens or rp.local_prefill_busy_tokens
+    ):
+        raise SystemExit(
+            "--role decode needs --set prefill_servers=HOST:GRPC_PORT[,...] (or local prefill)"
+        )
     for stage, ids in (gpus or {}).items():
+        if stage not in configs:
+            continue
         configs[stage] = set_gpus(configs[stage], ids)
     for s, text in configs.items():
         try:
@@ -137,13 +178,14 @@ def main(argv=None) -> int:
     ap.add_argument("--instances", action="append", default=[], metavar="STAGE=N")
     ap.add_argument("--prefill-gpus", metavar="0,1", help="place prefill on these GPUs")
     ap.add_argument("--decode-gpus", metavar="2,3", help="place decode on these GPUs")
+    ap.add_argument("--role", default="all", choices=sorted(ROLES), help="server role")
     args = ap.parse_args(argv)
     gpus = {
         stage: parse_gpus(spec, f"--{stage}-gpus")
         for stage, spec in (("prefill", args.prefill_gpus), ("decode", args.decode_gpus))
         if spec
     }
-    print(make_repo(args.out, args.model, args.set, args.instances, args.src, gpus))
+    print(make_repo(args.out, args.model, args.set, args.instances, args.src, gpus, args.role))
     return 0
 
 

@@ -3,9 +3,10 @@
 #
 #   scripts/serve.sh [--model-repo DIR] [--model CKPT] [--http-port 8000] [--grpc-port 8001]
 #                    [--metrics-port 8002] [--host 127.0.0.1] [--bootstrap-host 127.0.0.1]
-#                    [--secret-file FILE] [--set [stage.]param=value ...]
+#                    [--secret-file FILE] [--set [stage.]param=value ...] [--set-file FILE]
 #                    [--draft DIR | --draft-layers K] [--spec-tokens N]
 #                    [--prefill-gpus 0,1] [--decode-gpus 2,3]
+#                    [--role all|prefill|decode] [--prefill-servers HOST:GRPC_PORT[,...]]
 #                    [--foreground] [--log FILE] [--stop] [--stop-timeout 30] [--no-supervise]
 #
 # tritonserver: the one on PATH (NGC image: /opt/tritonserver/bin), else the binary of the
@@ -17,11 +18,18 @@
 # --bootstrap-host: address the stages' KV control and data planes bind to (default loopback).
 # Shared secret (HMAC on every control message): --secret-file (created, mode 600, if missing;
 # give every server of a deployment the same file) or $PD_SHARED_SECRET; else a random one per
-# start. --model CKPT / --set / --draft* / --*-gpus write a tuned copy of the repository
+# start. --model CKPT / --set (--set-file: one per line) / --draft* / --*-gpus write a tuned copy
+# of the repository
 # (scripts/make_repo.py). Speculative decoding: --draft DIR (a draft checkpoint sharing the
 # target's vocabulary), --draft-layers K (self-draft), --spec-tokens N. --prefill-gpus /
 # --decode-gpus LIST place a stage on GPUs (KIND_GPU, one instance per GPU); without them a
 # stage's device is `auto` (its GPU, else cuda:0 when there is one, else the CPU).
+# --role: `all` (default) is the single server (every stage here); `prefill` serves only the
+# prefill model (a prefill server: give it a --bootstrap-host decode servers can reach);
+# `decode` serves the client-facing ensemble whose prefill step is the router model, forwarding
+# each request over gRPC to the least loaded of --prefill-servers HOST:GRPC_PORT[:METRICS_PORT]
+# (metrics port default GRPC_PORT+1) and re-dispatching when one fails. Every server of a
+# deployment needs the same --secret-file (or $PD_SHARED_SECRET).
 # Models load in explicit model-control mode; the repository, shared-memory, trace and logging
 # APIs need the header `pd-admin-key: $(cat .run/admin-key-PORT)` (a random key per start).
 # scripts/supervise.py runs beside the server and reloads a model whose Python stub died
@@ -32,7 +40,7 @@ HTTP=8000 GRPC=8001 METRICS=8002 FOREGROUND=0 STOP=0 CKPT="" REPO="$ROOT/model_r
 HOST=127.0.0.1 SECRET_FILE="" STOP_TIMEOUT="${PD_STOP_TIMEOUT:-30}" SUPERVISE=1
 RUN_DIR="${PD_RUN_DIR:-$ROOT/.run}"
 LOG="" TIMEOUT="${PD_SERVE_TIMEOUT:-300}"
-SETS=() PLACE=()
+SETS=() PLACE=() ROLE=all
 die() { echo "serve.sh: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -42,7 +50,18 @@ while [ $# -gt 0 ]; do
     --host) HOST="$2"; shift 2 ;;
     --bootstrap-host) SETS+=(--set "bootstrap_host=$2"); shift 2 ;;
     --secret-file) SECRET_FILE="$2"; shift 2 ;;
+    --role)
+      case "${2:-}" in all|prefill|decode) ROLE="$2" ;; *) die "--role must be all, prefill or decode" ;; esac
+      shift 2 ;;
+    --prefill-servers) SETS+=(--set "prefill_servers=$2"); shift 2 ;;
     --set) SETS+=(--set "$2"); shift 2 ;;
+    --set-file)  # one [stage.]param=value per line (# comments), e.g. a mounted ConfigMap
+      [ -f "${2:-}" ] || die "--set-file ${2:-} is not a file"
+      while IFS= read -r line || [ -n "$line" ]; do
+        line="${line%%#*}"; line="$(echo "$line" | tr -d '[:space:]')"
+        [ -n "$line" ] && SETS+=(--set "$line")
+      done <"$2"
+      shift 2 ;;
     --model) CKPT="$2"; shift 2 ;;
     --model-repo) REPO="$2"; shift 2 ;;
     --log) LOG="$2"; shift 2 ;;
@@ -58,7 +77,7 @@ while [ $# -gt 0 ]; do
     --stop) STOP=1; shift ;;
     --stop-timeout) STOP_TIMEOUT="$2"; shift 2 ;;
     --no-supervise) SUPERVISE=0; shift ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
@@ -102,22 +121,32 @@ else
   eval "$("$PY" "$ROOT/scripts/triton_paths.py")"
   "$PY" "$ROOT/scripts/triton_paths.py" --install-stub >/dev/null
 fi
-if [ -n "$CKPT" ] || [ ${#SETS[@]} -gt 0 ] || [ ${#PLACE[@]} -gt 0 ]; then
-  OUT="$RUN_DIR/model_repository-$HTTP"
-  MR=("$ROOT/scripts/make_repo.py" --src "$REPO" --out "$OUT")
-  [ -n "$CKPT" ] && MR+=(--model "$CKPT")
-  "$PY" "${MR[@]}" ${SETS[@]+"${SETS[@]}"} ${PLACE[@]+"${PLACE[@]}"} >/dev/null
-  REPO="$OUT"
-fi
-
+# the secret first: make_repo checks that a non-loopback bootstrap_host has one
 new_secret() { "$PY" -c 'import secrets; print(secrets.token_hex(32))'; }
 if [ -n "$SECRET_FILE" ]; then
-  [ -s "$SECRET_FILE" ] || (umask 077; new_secret >"$SECRET_FILE")
+  [ -s "$SECRET_FILE" ] || (umask 077; mkdir -p "$(dirname "$SECRET_FILE")"; new_secret >"$SECRET_FILE")
   PD_SHARED_SECRET="$(tr -d '[:space:]' <"$SECRET_FILE")"
 elif [ -z "${PD_SHARED_SECRET:-}" ]; then
   PD_SHARED_SECRET="$(new_secret)"  # this server's stages only: HMAC on by default
 fi
 export PD_SHARED_SECRET
+if [ -n "$CKPT" ] || [ ${#SETS[@]} -gt 0 ] || [ ${#PLACE[@]} -gt 0 ] || [ "$ROLE" != all ]; then
+  OUT="$RUN_DIR/model_repository-$HTTP"
+  MR=("$ROOT/scripts/make_repo.py" --src "$REPO" --out "$OUT" --role "$ROLE")
+  [ -n "$CKPT" ] && MR+=(--model "$CKPT")
+  "$PY" "${MR[@]}" ${SETS[@]+"${SETS[@]}"} ${PLACE[@]+"${PLACE[@]}"} >/dev/null
+  REPO="$OUT"
+fi
+# the models of this role that the repository has (a role-all server never loads the router)
+MODELS=()
+for d in "$REPO"/*/config.pbtxt; do
+  m="$(basename "$(dirname "$d")")"
+  [ "$ROLE" = all ] && [ "$m" = router ] && continue
+  MODELS+=("$m")
+done
+[ ${#MODELS[@]} -gt 0 ] || die "no models in $REPO"
+MODEL_LIST="$(IFS=,; echo "${MODELS[*]}")"
+
 SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export GLOG_minloglevel="${GLOG_minloglevel:-2}" TOKENIZERS_PARALLELISM=false MC_FORCE_TCP="${MC_FORCE_TCP:-1}"
@@ -128,18 +157,20 @@ mkdir -p "$PD_RETIRE_DIR"
 EXIT_TIMEOUT=$((STOP_TIMEOUT > 10 ? STOP_TIMEOUT - 5 : STOP_TIMEOUT / 2))
 (umask 077; new_secret >"$KEYFILE")
 RESTRICTED="model-repository,shared-memory,trace,logging:pd-admin-key=$(cat "$KEYFILE")"
+LOADS=()
+for m in "${MODELS[@]}"; do LOADS+=(--load-model "$m"); done
 ARGS=(--model-repository "$REPO" --backend-directory "$BACKEND_DIR"
       --http-port "$HTTP" --grpc-port "$GRPC" --metrics-port "$METRICS"
       --http-address "$HOST" --grpc-address "$HOST" --metrics-address "$HOST"
       --allow-metrics true --log-verbose 0 --exit-on-error true --exit-timeout-secs "$EXIT_TIMEOUT"
-      --model-control-mode explicit --load-model '*'
-      --http-restricted-api "$RESTRICTED" --grpc-restricted-protocol "$RESTRICTED")
+      --model-control-mode explicit
+      --http-restricted-api "$RESTRICTED" --grpc-restricted-protocol "$RESTRICTED" "${LOADS[@]}")
 
 # the watcher that reloads a model whose stub died; it exits when tritonserver does
 start_supervisor() {
   [ "$SUPERVISE" = 1 ] || return 0
   setsid "$PY" "$ROOT/scripts/supervise.py" --url "http://$HOST:$HTTP" --pid "$1" \
-    --key-file "$KEYFILE" --retire-dir "$PD_RETIRE_DIR" >>"$2" 2>&1 </dev/null &
+    --key-file "$KEYFILE" --retire-dir "$PD_RETIRE_DIR" --models "$MODEL_LIST" >>"$2" 2>&1 </dev/null &
   echo $! >"$SUPFILE"
 }
 
@@ -174,7 +205,7 @@ for i in $(seq 1 "$TIMEOUT"); do
     stop_server "$PID"; rm -f "$PIDFILE"; exit 1
   fi
   if curl -sf "http://$HOST:$HTTP/v2/health/ready" >/dev/null 2>&1; then
-    echo " ready after ${i}s"
+    echo " ready after ${i}s (role $ROLE: $MODEL_LIST)"
     start_supervisor "$PID" "$LOG"
     echo "[serve] HTTP    http://$HOST:$HTTP  (POST /v2/models/ensemble/generate[_stream])"
     echo "[serve] gRPC    $HOST:$GRPC"

@@ -141,6 +141,7 @@ def alive(pid: int) -> bool:
 class Supervisor:
     def __init__(self, triton: Triton, pid: int, retire_dir: str, args: argparse.Namespace):
         self.triton, self.pid, self.retire_dir = triton, pid, retire_dir
+        self.only: set[str] = set(filter(None, getattr(args, "models", "").split(",")))
         self.interval, self.max_backoff, self.load_s = (
             args.interval,
             args.max_backoff,
@@ -230,7 +231,9 @@ class Supervisor:
         models: list[Model] = []
         while alive(self.pid):
             try:
-                models = models or self.triton.models()
+                models = models or [
+                    m for m in self.triton.models() if not self.only or m.name in self.only
+                ]
                 self.poll(models)
             except (OSError, ValueError) as e:  # the server is starting or stopping
                 log(f"poll failed: {e}")
@@ -247,6 +250,9 @@ def main(argv=None) -> int:
     ap.add_argument("--interval", type=float, default=2.0)
     ap.add_argument("--max-backoff", type=float, default=60.0)
     ap.add_argument("--load-timeout", type=float, default=600.0)
+    ap.add_argument(
+        "--models", default="", help="comma-separated models to watch (default: every one)"
+    )
     ap.add_argument(
         "--retire-dir", required=True, help="where replaced stubs look for their exit request"
     )

@@ -42,6 +42,7 @@ from ..runtime.spec import DraftSpec, SpecEngine
 from . import errors
 from .cancel import CancelListener
 from .decode_control import DecodeControl
+from .decode_failover import LOCAL, DecodeFailover
 from .decode_state import PREFIX_WINDOW, ActiveRequest, DecodeEvent, Emit, Phase
 from .draft import DRAFT, explain_failure, load_stage_draft, make_draft_pool, spec_stats
 from .params import StageParams
@@ -58,7 +59,7 @@ COUNTERS = (
 )  # fmt: skip
 
 
-class DecodeWorker(DecodeControl):
+class DecodeWorker(DecodeControl, DecodeFailover):
     def __init__(self, params: StageParams, runner: ModelRunner | None = None, name="decode"):
         self.params = params
         self.runner = runner or ModelRunner.load(
@@ -98,6 +99,7 @@ class DecodeWorker(DecodeControl):
         self.counters.update(ttft_sum=0.0, ttft_count=0, itl_sum=0.0, itl_count=0)
         self._stop = False
         self._last_poll = 0.0
+        self._init_failover(params)  # re-dispatch to another prefill server (decode role)
         self._thread = threading.Thread(target=self._loop, name=f"{name}-loop", daemon=True)
         self._thread.start()
 
@@ -186,6 +188,7 @@ class DecodeWorker(DecodeControl):
         for r in self._all():
             if r.phase != Phase.DONE:
                 self._finish(r, error="decode instance shutting down", kind=errors.OVERLOADED)
+        self._close_failover()
         self.cancel_listener.close()
         self.receiver.close()
 
@@ -209,6 +212,10 @@ class DecodeWorker(DecodeControl):
                 if not self._waiting:
                     return
                 r = self._waiting[0]
+                if r.req.bootstrap_addr == LOCAL:  # prefilled here by the engine: no pages yet
+                    self._local.append(self._waiting.popleft())
+                    self._cond.notify_all()
+                    continue
                 n = len(r.req.prompt_ids) + r.req.sampling.max_tokens - 1
                 need = {role: p.pages_needed(n) for role, p in self.pools.items()}
                 if any(need[role] > p.num_free for role, p in self.pools.items()):
@@ -248,13 +255,16 @@ class DecodeWorker(DecodeControl):
     def _loop(self) -> None:
         while not self._stop:
             with self._cond:
-                busy = self._ready or self._failed or self._cancel_rooms or self._firsts
+                busy = self._ready or self._failed or self._cancel_rooms or self._rerouted
+                busy = busy or self._local or self._firsts
                 if not (busy or self.engine.has_unfinished()):
                     self._cond.wait(0.05)
             try:
                 self._poll_cancelled()
                 self._take_first()
                 self._take_failed()
+                self._take_rerouted()
+                self._take_local()
                 self._take_ready()
                 self._register_waiting()
                 self._expire_waiting()
@@ -274,7 +284,7 @@ class DecodeWorker(DecodeControl):
                     return
                 room, reason = self._failed.popleft()
                 r = self._transfers.get(room)
-            if r is not None and r.phase == Phase.TRANSFER:
+            if r is not None and r.phase == Phase.TRANSFER and not self._retry(r, reason):
                 after = " after the first token was streamed" if r.early_first is not None else ""
                 self._finish(r, error=f"KV transfer failed{after}: {explain_failure(reason)}")
 

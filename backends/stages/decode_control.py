@@ -94,7 +94,7 @@ class DecodeControl:
             return
         self._last_poll = now
         for r in self._all():
-            if r.req.room in rooms:
+            if r.req.room in rooms or r.client_room in rooms:
                 r.is_cancelled = always
             if r.phase != Phase.DONE and r.cancel_requested():
                 r.cancelled = True

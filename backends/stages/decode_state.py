@@ -48,10 +48,17 @@ class ActiveRequest:
     queued_at: float = 0.0  # time.monotonic() when it started waiting for pages
     early_first: int | None = None  # first token streamed before the KV landed (not yet
     # seen again from the engine, whose first step reports it once more)
+    origin: int = 0  # the room the client's request arrived with (failover gives fresh rooms)
+    attempts: int = 0  # re-dispatches to another prefill server so far (decode_failover.py)
 
     @property
     def seq_id(self) -> str:
         return str(self.req.room)
+
+    @property
+    def client_room(self) -> int:
+        """The room cancels name: the request's first room, whatever room it has now."""
+        return self.origin or self.req.room
 
     def cancel_requested(self) -> bool:
         if self.cancelled or self.is_cancelled is None:

@@ -50,6 +50,11 @@ METRICS = [
            "Requests refused or ended 'overloaded, retry later' (queue full or queue timeout)"),
     Metric("pd_queued_prompt_tokens", G, "queued_tokens",
            "Prompt tokens of the requests a prefill instance holds (waiting or computing)"),
+    Metric("pd_failovers_total", C, "failovers",
+           "Requests decode re-dispatched to another prefill server (room failed before its KV"
+           " completed: server died, hung or refused)"),
+    Metric("pd_local_prefills_total", C, "local_prefills",
+           "Requests a decode server prefilled itself (local_prefill_*: no KV transfer)"),
     Metric("pd_kv_pages_quarantined", G, "quarantined_pages",
            "Decode pages of ended rooms a prefill may still write into (held until it drains)"),
     Metric("pd_loop_errors_total", C, "loop_errors",
@@ -68,10 +73,27 @@ METRICS = [
 ]  # fmt: skip
 
 
+# A decode server's router, per prefill server (label ``server`` = HOST:GRPC_PORT); keys of
+# PrefillRouter.stats()["servers"][server].
+ROUTER_METRICS = [
+    Metric("pd_router_requests_total", C, "dispatched", "Requests routed to the prefill server"),
+    Metric("pd_router_prompt_tokens_total", C, "tokens", "Prompt tokens routed to it"),
+    Metric("pd_router_refused_total", C, "refused",
+           "Forwards it did not take (error answer, unreachable, no answer in time)"),
+    Metric("pd_router_lost_total", C, "lost",
+           "Forwards whose connection broke after its answer (the server died or went away)"),
+    Metric("pd_router_server_up", G, "up", "1 while the server is routed to, 0 while down"),
+    Metric("pd_router_load_tokens", G, "load",
+           "Queued prompt tokens the router sees there (its metric + this router's since)"),
+]  # fmt: skip
+
+
 def reference_table() -> str:
     """The metrics reference (markdown), generated from :data:`METRICS`."""
     rows = ["| metric | kind | meaning |", "|---|---|---|"]
     for mt in [*METRICS, FAILURES]:
         label = "{stage, instance, reason}" if mt is FAILURES else "{stage, instance}"
         rows.append(f"| `{mt.name}{label}` | {mt.kind} | {mt.doc} |")
+    for mt in ROUTER_METRICS:
+        rows.append(f"| `{mt.name}{{stage, instance, server}}` | {mt.kind} | {mt.doc} |")
     return "\n".join(rows) + "\n"

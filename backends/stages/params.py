@@ -23,8 +23,10 @@ from ..runtime.dtypes import MODEL_DTYPES
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
-STAGES = ("preprocess", "prefill", "decode", "postprocess")
+STAGES = ("preprocess", "prefill", "decode", "postprocess", "router")
+MODEL_STAGES = ("preprocess", "prefill", "decode", "postprocess")  # the ones that read the model
 PD = ("prefill", "decode")
+ROUTED = ("router", "decode")  # a decode server's router (and decode's failover re-dispatch)
 _TC, _LG = TransferConfig, LayerGroupPolicy  # dataclass defaults are class attributes
 SECRET_ENV = "PD_SHARED_SECRET"
 
@@ -37,7 +39,7 @@ def _p(default, stages: tuple[str, ...], doc: str):
 class StageParams:
     model_dir: str = _p(
         DEFAULT_MODEL,
-        STAGES,
+        MODEL_STAGES,
         "HF checkpoint directory (relative to the repository root, or absolute)",
     )
     dtype: str = _p("float32", PD, f"model and KV dtype: {' or '.join(MODEL_DTYPES)}")
@@ -148,6 +150,43 @@ class StageParams:
         "self-draft: keep the target's first N layers (+ final norm and head); < target layers",
     )
     spec_tokens: int = _p(2, ("decode",), "draft tokens proposed per verify step (k)")
+    prefill_servers: str = _p(
+        "",
+        ROUTED,
+        "decode server role: the prefill servers, `HOST:GRPC_PORT[:METRICS_PORT],...` (metrics"
+        " port default GRPC_PORT + 1); the router forwards each request to the one with the"
+        " fewest queued prompt tokens; `serve.sh --prefill-servers` sets it",
+    )
+    route_timeout_s: float = _p(
+        10.0,
+        ROUTED,
+        "how long a prefill server may take to accept a forwarded request (and to answer a"
+        " probe: 1/4 of it); past it the server is marked down and the next one is tried",
+    )
+    probe_interval_s: float = _p(
+        0.5,
+        ROUTED,
+        "the router polls each prefill server's queue metric (and probes a server marked down"
+        " for readiness) this often",
+    )
+    local_prefill_max_tokens: int = _p(
+        0,
+        ("router",),
+        "conditional disaggregation: prompts of at most this many tokens are prefilled by the"
+        " decode server itself (no KV transfer); `0` = never; very high = colocated serving",
+    )
+    local_prefill_busy_tokens: int = _p(
+        0,
+        ("router",),
+        "prefill locally too when every prefill server that is up has more queued prompt"
+        " tokens than this (or none is up); `0` = never for load",
+    )
+    failover_attempts: int = _p(
+        3,
+        ("decode",),
+        "times decode re-dispatches a request whose prefill server died, hung or refused before"
+        " its KV completed (under a fresh room, to another prefill server)",
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -163,7 +202,7 @@ class StageParams:
         positive = (
             "page_size", "num_pages", "max_batch", "max_context", "max_tokens_limit", "max_queue"
         )  # fmt: skip
-        for name in (*positive, "draft_layers", "spec_tokens"):
+        for name in (*positive, "draft_layers", "spec_tokens", "failover_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(
                     f"parameter {name} must be an integer >= 1, got {getattr(self, name)}"
@@ -175,6 +214,11 @@ class StageParams:
             )
         if self.lg_fixed_group_size < 0:
             raise ValueError("parameter lg_fixed_group_size must be >= 0 (0 = adaptive policy)")
+        if self.local_prefill_max_tokens < 0 or self.local_prefill_busy_tokens < 0:
+            raise ValueError("parameters local_prefill_* must be >= 0 (0 = off)")
+        if self.route_timeout_s <= 0 or self.probe_interval_s <= 0:
+            raise ValueError("parameters route_timeout_s and probe_interval_s must be > 0")
+        self.servers()  # prefill_servers parses
         self.policy()  # LayerGroupPolicy checks its own ranges
         cfg = self.transfer_config()  # and TransferConfig its own
         if not cfg.is_loopback and cfg.shared_secret is None and not self.allow_insecure:
@@ -197,6 +241,23 @@ class StageParams:
     def draft_path(self) -> str | None:
         """The draft checkpoint directory (absolute), or None for a self-draft."""
         return resolve_path(self.draft_model_dir) if self.draft_model_dir else None
+
+    def servers(self) -> list[tuple[str, int, int]]:
+        """``prefill_servers`` as (host, gRPC port, metrics port) triples; ValueError naming the
+        bad item."""
+        out = []
+        for item in filter(None, (x.strip() for x in self.prefill_servers.split(","))):
+            parts = item.split(":")
+            ok = len(parts) in (2, 3) and parts[0] and all(p.isdigit() for p in parts[1:])
+            ports = [int(p) for p in parts[1:]] if ok else []
+            if not ok or not all(0 < p < 65536 for p in ports):
+                raise ValueError(
+                    f"parameter prefill_servers: {item!r} is not HOST:GRPC_PORT[:METRICS_PORT]"
+                )
+            out.append((parts[0], ports[0], ports[1] if len(ports) == 2 else ports[0] + 1))
+        if len({(h, g) for h, g, _ in out}) != len(out):
+            raise ValueError(f"parameter prefill_servers lists a server twice: {out}")
+        return out
 
     def on_instance(self, kind: str = "", device_id: int = -1) -> StageParams:
         """These parameters with ``device`` resolved for a serving instance (Triton's

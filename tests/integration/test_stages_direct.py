@@ -105,3 +105,32 @@ def test_decode_refusal_releases_the_prefill_room_at_once():
     finally:
         decode.close()
         prefill.stop()
+
+
+def test_local_prefill_on_the_decode_server_needs_no_prefill_and_equals_transformers():
+    """A request the router marked LOCAL (conditional disaggregation) is prefilled by decode's
+    own engine: no prefill exists here at all, no KV pages are registered anywhere."""
+    from backends.stages.router import LOCAL
+
+    ckpt = checkpoint("llama")
+    decode = DecodeWorker(StageParams(**_params(ckpt)))
+    try:
+        prompts = [random_prompt(n, seed=n) for n in (6, 21)]
+        outs = []
+        for i, ids in enumerate(prompts):
+            c = Collector()
+            req = StageRequest(
+                room=300 + i, prompt_ids=ids, sampling=SamplingParams(max_tokens=10),
+                bootstrap_addr=LOCAL, stream=i == 0,
+            )  # fmt: skip
+            decode.submit(req, c)
+            outs.append(c)
+        for ids, c in zip(prompts, outs, strict=True):
+            assert c.done.wait(60)
+            assert c.events[-1].error is None
+            assert c.ids == hf_greedy("llama", ids, 10)
+        st = decode.stats()
+        assert st["local_prefills"] == 2 and st["rooms_ok"] == 0  # no transfer happened
+        assert decode.pages_in_use == 0
+    finally:
+        decode.close()

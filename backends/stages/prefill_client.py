@@ -1,0 +1,162 @@
+"""One prefill server as seen from a decode server: Triton gRPC (tritonclient's generated
+stubs) for forwarded requests and readiness, its metrics endpoint for the queue it holds.
+
+A forwarded request is ONE ``ModelStreamInfer`` call (its own HTTP/2 stream on the server's
+shared channel), so an error response belongs to exactly that request. The prefill model answers
+at once with the request carrying its bootstrap address (the *answer*); the call then stays open
+until prefill is done with the room (an empty final response), or breaks when the server dies.
+"""
+
+from __future__ import annotations
+
+import queue
+import struct
+import threading
+import urllib.request
+from collections.abc import Callable
+
+import grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from . import request as rq
+
+PREFILL_MODEL = "prefill"
+QUEUE_METRIC = "pd_queued_prompt_tokens"
+_LEN = struct.Struct("<I")  # Triton's BYTES element: 4-byte little-endian length, then bytes
+
+
+class Refused(RuntimeError):
+    """The server did not take the request. ``down``: it is unreachable or hung (mark it down);
+    else it answered with an error (e.g. overloaded) and stays up."""
+
+    def __init__(self, message: str, down: bool):
+        super().__init__(message)
+        self.down = down
+
+
+def infer_request(req: rq.StageRequest) -> service_pb2.ModelInferRequest:
+    r = service_pb2.ModelInferRequest(model_name=PREFILL_MODEL, id=str(req.room))
+    t = r.inputs.add()
+    t.name, t.datatype = rq.REQUEST_TENSOR, "BYTES"
+    t.shape.append(1)
+    data = rq.encode(req)
+    r.raw_input_contents.append(_LEN.pack(len(data)) + data)
+    r.parameters["triton_enable_empty_final_response"].bool_param = True
+    return r
+
+
+def answer_of(resp: service_pb2.ModelInferResponse) -> rq.StageRequest | None:
+    """The request in a response (None for the empty final one)."""
+    if not resp.raw_output_contents:
+        return None
+    raw = resp.raw_output_contents[0]
+    (n,) = _LEN.unpack_from(raw)
+    return rq.decode(raw[_LEN.size : _LEN.size + n])
+
+
+def is_final(resp: service_pb2.ModelInferResponse) -> bool:
+    p = resp.parameters.get("triton_final_response")
+    return bool(p and p.bool_param)
+
+
+class Forward:
+    """One forwarded request: ``answer(timeout)`` waits for the prefill server's first response;
+    ``on_end(error, down)`` runs once when the call ends (error ``None``: prefill finished the
+    room; ``down``: the connection broke, i.e. the server died or became unreachable)."""
+
+    def __init__(self, stub, req: rq.StageRequest, on_end: Callable[[str | None, bool], None]):
+        self._first: queue.Queue = queue.Queue(maxsize=1)
+        self._done = threading.Event()
+        self._on_end = on_end
+        self._call = stub.ModelStreamInfer(self._requests(infer_request(req)))
+        threading.Thread(target=self._pump, name=f"fwd-{req.room}", daemon=True).start()
+
+    def _requests(self, msg):
+        yield msg
+        self._done.wait()  # keep the stream open (no half-close) until prefill is done
+
+    def answer(self, timeout: float) -> rq.StageRequest:
+        try:
+            kind, value = self._first.get(timeout=timeout)
+        except queue.Empty:
+            self.cancel()
+            raise Refused(f"no answer in {timeout:g}s (hung?)", down=True) from None
+        if kind == "ok":
+            return value
+        raise Refused(value, down=kind == "down")
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def _pump(self) -> None:
+        answered, down, err = False, False, "stream ended before prefill finished the room"
+        try:
+            for resp in self._call:
+                if resp.error_message:
+                    err = resp.error_message
+                    break
+                ans = answer_of(resp.infer_response)
+                if ans is not None and not answered:
+                    answered = True
+                    self._first.put(("ok", ans))
+                if is_final(resp.infer_response):
+                    err = None
+                    break
+        except grpc.RpcError as e:
+            err, down = f"{e.code().name}: {e.details()}", e.code() != grpc.StatusCode.CANCELLED
+            if not answered:
+                self._first.put(("down", err))
+                answered = True
+        except Exception as e:  # a garbled answer: this request only
+            err = f"bad answer: {e}"
+        finally:
+            if not answered:
+                self._first.put(("error", err or "finished without an answer"))
+            self._done.set()
+            self._call.cancel()
+            try:
+                self._on_end(err, down)
+            except Exception:  # noqa: BLE001 - the caller's callback must not kill the pump
+                pass
+
+
+class PrefillClient:
+    """gRPC channel + metrics URL of one prefill server."""
+
+    def __init__(self, host: str, grpc_port: int, metrics_port: int):
+        self.name = f"{host}:{grpc_port}"
+        self.metrics_url = f"http://{host}:{metrics_port}/metrics"
+        opts = [  # a restarted server is reachable again within a second, not after minutes
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        self.channel = grpc.insecure_channel(self.name, options=opts)
+        self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
+
+    def forward(self, req: rq.StageRequest, on_end: Callable[[str | None, bool], None]) -> Forward:
+        return Forward(self.stub, req, on_end)
+
+    def ready(self, timeout: float) -> bool:
+        """The server and its prefill model are ready (False on any error)."""
+        try:
+            r = self.stub.ModelReady(
+                service_pb2.ModelReadyRequest(name=PREFILL_MODEL), timeout=timeout
+            )
+            return bool(r.ready)
+        except grpc.RpcError:
+            return False
+
+    def queued_tokens(self, timeout: float) -> float:
+        """Prompt tokens the server's prefill instances hold (its queue metric, summed)."""
+        with urllib.request.urlopen(self.metrics_url, timeout=timeout) as r:
+            text = r.read().decode()
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(QUEUE_METRIC + "{") or line.startswith(QUEUE_METRIC + " ")
+        )
+
+    def close(self) -> None:
+        self.channel.close()

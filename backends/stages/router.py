@@ -1,0 +1,365 @@
+"""Prefill router (no Triton): a decode server's prefill step, forwarding to prefill servers.
+
+Routing by load: each request goes to the *up* prefill server with the fewest queued prompt
+tokens, learnt from the servers themselves::
+
+    load(s) = queued(s) + sum(prompt tokens of this router's requests on s dispatched after
+                              queued(s) was read)
+
+``queued(s)`` is the server's ``pd_queued_prompt_tokens`` metric (every prefill instance's
+waiting and computing prompts, from every router that uses it), read every
+``probe_interval_s``; the second term counts what this router sent since, so a burst between
+two reads spreads over the servers instead of piling onto the one that looked idle. Ties go to
+the server that took fewer requests.
+
+Server lifecycle (:class:`ServerState`): ``Up`` until a forward breaks (connection refused or
+lost), a forward's first answer or a metrics read takes longer than ``route_timeout_s``; then
+``Down`` (never routed to), probed every ``probe_interval_s`` (gRPC model readiness and a
+metrics read) and ``Up`` again once both work. A forward the server refused with an error
+response (e.g. overloaded) moves on to the next server without marking it down.
+
+:meth:`PrefillRouter.dispatch` tries the servers in load order until one answers, and raises
+:class:`NoPrefillServer` naming every server's reason only when none is left.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from . import errors
+from .prefill_client import PrefillClient, Refused
+from .request import StageRequest
+
+log = logging.getLogger(__name__)
+
+OnEnd = Callable[[str | None], None]
+LOCAL = "local"  # bootstrap address of a request the decode server prefills itself
+RESOLVE_EVERY = 10  # poll rounds between DNS look-ups of the prefill servers' host names
+MAX_PENDING = 256  # requests waiting for a prefill server's answer (submit), all together
+
+
+def resolve(host: str) -> list[str]:
+    """An IP address as is; a host name -> its IPv4 addresses (sorted; none if unknown)."""
+    try:
+        ipaddress.ip_address(host)
+        return [host]
+    except ValueError:
+        pass
+    try:
+        return sorted(set(socket.gethostbyname_ex(host)[2]))
+    except OSError:
+        return []
+
+
+class ServerState(enum.IntEnum):
+    Down = 0  # not routed to; probed until ready
+    Up = 1
+
+
+class NoPrefillServer(RuntimeError):
+    """No prefill server took the request; the message names each one's reason."""
+
+
+@dataclass
+class PrefillServer:
+    client: PrefillClient
+    state: ServerState = ServerState.Up
+    reason: str = ""  # why it is down
+    queued: float = 0.0  # its queue metric at the last read
+    read_at: float = 0.0  # time.monotonic() of that read
+    outstanding: dict[int, tuple[int, float]] = field(default_factory=dict)  # room -> (tokens, t)
+    counters: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(("dispatched", "tokens", "refused", "lost"), 0)
+    )
+
+    @property
+    def name(self) -> str:
+        return self.client.name
+
+    def load(self) -> float:
+        return self.queued + sum(n for n, t in self.outstanding.values() if t >= self.read_at)
+
+
+class _EndOnce:
+    """Runs ``on_end(error)`` once, and only after :meth:`open` (the answer was delivered): a
+    forward that ends before (or without) its answer reaches the caller some other way."""
+
+    def __init__(self, on_end: OnEnd | None):
+        self.on_end, self.opened, self.ended = on_end, False, None
+        self.lock = threading.Lock()
+
+    def end(self, err: str | None) -> None:
+        with self.lock:
+            if not self.opened:
+                self.ended = (err,)
+                return
+        self._call(err)
+
+    def open(self) -> None:
+        with self.lock:
+            self.opened, ended = True, self.ended
+        if ended is not None:
+            self._call(ended[0])
+
+    def _call(self, err: str | None) -> None:
+        if self.on_end is not None:
+            self.on_end(err)
+
+
+class PrefillRouter:
+    def __init__(
+        self,
+        servers: list[tuple[str, int, int]],
+        route_timeout_s: float = 10.0,
+        probe_interval_s: float = 0.5,
+        name: str = "router",
+        client=PrefillClient,  # (host, grpc_port, metrics_port) -> client (tests pass fakes)
+        local_max_tokens: int = 0,
+        local_busy_tokens: int = 0,
+    ):
+        self.local_max_tokens, self.local_busy_tokens = local_max_tokens, local_busy_tokens
+        if not servers and not (local_max_tokens or local_busy_tokens):
+            raise ValueError("the router needs at least one prefill server (prefill_servers)")
+        self.route_timeout_s, self.probe_interval_s, self.name = (
+            route_timeout_s, probe_interval_s, name
+        )  # fmt: skip
+        self.specs, self.client = list(servers), client
+        self.servers: list[PrefillServer] = []
+        self._lock = threading.Lock()
+        self._refresh()
+        self._stop = threading.Event()
+        self.counters = dict.fromkeys(("requests", "routed", "no_server", "loop_errors"), 0)
+        self.local_counters = dict.fromkeys(("dispatched", "tokens"), 0)
+        self._pending = 0
+        self._pool = ThreadPoolExecutor(16, thread_name_prefix=f"{name}-dispatch")
+        self._thread = threading.Thread(target=self._poll_loop, name=f"{name}-poll", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self,
+        req: StageRequest,
+        on_routed: Callable[[StageRequest], None],
+        on_error: Callable[[Exception], None],
+        on_end: OnEnd | None = None,
+    ) -> None:
+        """:meth:`dispatch` on the router's threads: ``on_routed(request)`` once a server
+        answered, else ``on_error(exception)``; raises errors.Overloaded past MAX_PENDING."""
+        with self._lock:
+            if self._pending >= MAX_PENDING:
+                raise errors.Overloaded(f"{self._pending} requests wait for a prefill server")
+            self._pending += 1
+
+        def run() -> None:
+            try:
+                self.dispatch(req, on_end, deliver=on_routed)
+            except Exception as e:
+                on_error(e)
+            finally:
+                with self._lock:
+                    self._pending -= 1
+
+        self._pool.submit(run)
+
+    # ---- routing (any thread) ----------------------------------------------------------------
+    def order(self, exclude: set[str] = frozenset()) -> list[PrefillServer]:
+        """Up servers not in ``exclude``, least loaded first."""
+        with self._lock:
+            up = [s for s in self.servers if s.state == ServerState.Up and s.name not in exclude]
+            return sorted(up, key=lambda s: (s.load(), s.counters["dispatched"]))
+
+    def dispatch(
+        self,
+        req: StageRequest,
+        on_end: OnEnd | None = None,
+        exclude: set[str] = frozenset(),
+        deliver: Callable[[StageRequest], None] | None = None,
+    ) -> tuple[StageRequest, str]:
+        """Forward ``req`` to the least loaded prefill server that takes it; returns (the
+        request with that server's bootstrap address, the server's name). Blocks until the
+        server answered (at most ``route_timeout_s`` per server tried). ``deliver(request)``
+        runs with the answer first; then, once, ``on_end(error)`` when prefill is done with the
+        room (error None) or the server was lost (never for a server that did not answer)."""
+        self.counters["requests"] += 1
+        if self._prefill_here(len(req.prompt_ids)):
+            return self._local(req, on_end, deliver)
+        reasons: dict[str, str] = {}
+        tried: set[str] = set(exclude)
+        while True:
+            cands = self.order(tried)
+            if not cands:
+                break
+            s = cands[0]
+            tried.add(s.name)
+            try:
+                routed = self._forward(s, req, on_end, deliver)
+                self.counters["routed"] += 1
+                return routed, s.name
+            except Refused as e:
+                reasons[s.name] = str(e)
+                with self._lock:
+                    s.counters["refused"] += 1
+                if e.down:
+                    self._mark_down(s, str(e))
+        if self.local:  # nothing left to forward to, but this server can prefill
+            return self._local(req, on_end, deliver)
+        self.counters["no_server"] += 1
+        raise self._no_server(reasons, exclude)
+
+    @property
+    def local(self) -> bool:
+        """Conditional disaggregation is on: some prompts are prefilled by the decode server."""
+        return bool(self.local_max_tokens or self.local_busy_tokens)
+
+    def _prefill_here(self, n: int) -> bool:
+        """Short prompts, and every prompt while all prefill servers are busy (or down)."""
+        if n <= self.local_max_tokens:
+            return True
+        if not self.local_busy_tokens:
+            return False
+        up = self.order()
+        return not up or up[0].load() > self.local_busy_tokens
+
+    def _local(self, req: StageRequest, on_end, deliver) -> tuple[StageRequest, str]:
+        with self._lock:
+            self.local_counters["dispatched"] += 1
+            self.local_counters["tokens"] += len(req.prompt_ids)
+        routed = req.with_bootstrap(LOCAL)
+        if deliver is not None:
+            deliver(routed)
+        if on_end is not None:
+            on_end(None)  # nothing runs here: decode prefills it in its own engine
+        return routed, LOCAL
+
+    def _no_server(self, reasons: dict[str, str], exclude) -> Exception:
+        with self._lock:
+            for s in self.servers:
+                if s.name not in reasons:
+                    why = "excluded (failed this request)" if s.name in exclude else s.reason
+                    reasons[s.name] = f"down: {why}"
+        listed = "; ".join(f"{k}: {v}" for k, v in reasons.items())
+        msg = f"no prefill server took the request ({listed})"
+        if reasons and all("overloaded" in v for v in reasons.values()):
+            return errors.Overloaded(msg)
+        return NoPrefillServer(msg)
+
+    def _forward(self, s: PrefillServer, req: StageRequest, on_end, deliver):
+        box = _EndOnce(on_end)
+
+        def ended(err: str | None, down: bool) -> None:
+            with self._lock:
+                s.outstanding.pop(req.room, None)
+            if down:
+                with self._lock:
+                    s.counters["lost"] += 1
+                self._mark_down(s, f"lost during a request: {err}")
+            box.end(err)
+
+        n = len(req.prompt_ids)
+        with self._lock:
+            s.outstanding[req.room] = (n, time.monotonic())
+        try:
+            fwd = s.client.forward(req, ended)
+            routed = fwd.answer(self.route_timeout_s)
+        except Refused:
+            with self._lock:
+                s.outstanding.pop(req.room, None)
+            raise
+        with self._lock:
+            s.counters["dispatched"] += 1
+            s.counters["tokens"] += n
+        if deliver is not None:
+            deliver(routed)
+        box.open()
+        return routed
+
+    # ---- health and load ---------------------------------------------------------------------
+    def _mark_down(self, s: PrefillServer, reason: str) -> None:
+        with self._lock:
+            if s.state == ServerState.Down:
+                return
+            s.state, s.reason = ServerState.Down, reason
+        log.warning("%s: prefill server %s marked down: %s", self.name, s.name, reason)
+
+    def _poll_one(self, s: PrefillServer) -> None:
+        timeout = max(self.route_timeout_s / 4, 0.2)
+        if s.state == ServerState.Down and not s.client.ready(timeout):
+            return
+        t = time.monotonic()
+        try:
+            queued = s.client.queued_tokens(timeout)
+        except Exception as e:
+            self._mark_down(s, f"metrics unreachable: {e}")
+            return
+        with self._lock:
+            s.queued, s.read_at = queued, t
+            if s.state == ServerState.Down:
+                s.state, s.reason = ServerState.Up, ""
+                log.warning("%s: prefill server %s is up again", self.name, s.name)
+
+    def _refresh(self) -> None:
+        """(Re)resolve the configured hosts: a DNS name with several addresses (a Kubernetes
+        headless Service) is one prefill server per address. New addresses join (Up); gone ones
+        leave once nothing of this router runs there."""
+        want = {}
+        for host, grpc_port, metrics_port in self.specs:
+            for ip in resolve(host):
+                want[f"{ip}:{grpc_port}"] = (ip, grpc_port, metrics_port)
+        with self._lock:
+            have = {s.name: s for s in self.servers}
+            gone = [s for n, s in have.items() if n not in want and not s.outstanding]
+            new = [PrefillServer(self.client(*want[n])) for n in want if n not in have]
+            self.servers = [s for s in self.servers if s not in gone] + new
+        for s in gone:
+            s.client.close()
+        if new or gone:
+            log.warning("%s: prefill servers now %s", self.name, [s.name for s in self.servers])
+
+    def _poll_loop(self) -> None:
+        rounds = 0
+        while not self._stop.wait(self.probe_interval_s):
+            rounds += 1
+            if rounds % RESOLVE_EVERY == 0:
+                try:
+                    self._refresh()
+                except Exception:
+                    self.counters["loop_errors"] += 1
+                    log.exception("%s: resolving the prefill servers failed", self.name)
+            for s in list(self.servers):
+                try:
+                    self._poll_one(s)
+                except Exception:  # the loop never dies
+                    self.counters["loop_errors"] += 1
+                    log.exception("%s: polling %s failed", self.name, s.name)
+
+    def stats(self) -> dict:
+        """Per-server state and counters (for metrics), plus the router's own counters."""
+        with self._lock:
+            per = {
+                s.name: {
+                    "up": int(s.state == ServerState.Up),
+                    "load": s.load(),
+                    "queued": s.queued,
+                    "outstanding": len(s.outstanding),
+                    **s.counters,
+                }
+                for s in self.servers
+            }
+            if self.local:
+                zero = dict.fromkeys(("up", "load", "queued", "outstanding", "refused", "lost"), 0)
+                per[LOCAL] = {**zero, "up": 1, **self.local_counters}
+        return {"servers": per, **self.counters}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._thread.join(timeout=2)
+        for s in self.servers:
+            s.client.close()

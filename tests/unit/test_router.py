@@ -1,0 +1,246 @@
+"""The prefill router's logic with fake prefill servers (no Triton, no network): load-aware
+choice, failover on refusal, down / probe / up, errors naming every cause, end-once ordering."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.runtime.sampler import SamplingParams
+from backends.stages import errors
+from backends.stages.prefill_client import Refused
+from backends.stages.request import StageRequest
+from backends.stages.router import NoPrefillServer, PrefillRouter, ServerState
+
+
+class FakeForward:
+    def __init__(self, client, req, on_end):
+        self.client, self.req, self.on_end = client, req, on_end
+
+    def answer(self, timeout):
+        if self.client.refuse:
+            raise Refused(self.client.refuse, down=self.client.down)
+        return self.req.with_bootstrap(self.client.bootstrap)
+
+
+class FakeClient:
+    def __init__(self, host, grpc_port, metrics_port):
+        self.name = f"{host}:{grpc_port}"
+        self.bootstrap = f"{host}:{grpc_port + 1000}"
+        self.queued, self.is_ready, self.refuse, self.down = 0.0, True, "", False
+        self.forwards: list[FakeForward] = []
+
+    def forward(self, req, on_end):
+        f = FakeForward(self, req, on_end)
+        self.forwards.append(f)
+        return f
+
+    def ready(self, timeout):
+        return self.is_ready
+
+    def queued_tokens(self, timeout):
+        if not self.is_ready:
+            raise OSError("connection refused")
+        return self.queued
+
+    def close(self):
+        pass
+
+
+def make(n=2):
+    servers = [("10.0.0.1", 8001 + 100 * i, 8002 + 100 * i) for i in range(n)]
+    r = PrefillRouter(servers, 1.0, 3600.0, client=FakeClient)  # no background polls
+    return r, [s.client for s in r.servers]
+
+
+def req(room=7, n=10):
+    return StageRequest(room=room, prompt_ids=list(range(1, n + 1)), sampling=SamplingParams())
+
+
+def poll(r):
+    for s in r.servers:
+        r._poll_one(s)
+
+
+def test_routes_to_fewest_queued_prompt_tokens_counting_its_own_since_the_read():
+    r, (a, b) = make()
+    a.queued, b.queued = 100.0, 10.0
+    poll(r)
+    routed, name = r.dispatch(req(1, 200))
+    assert name == b.name and routed.bootstrap_addr == b.bootstrap
+    # b now holds 10 + 200 (its metric has not seen the new request yet) > a's 100
+    assert r.dispatch(req(2, 5))[1] == a.name
+    st = r.stats()["servers"]
+    assert st[b.name]["dispatched"] == 1 and st[b.name]["tokens"] == 200
+    assert st[b.name]["load"] == 210.0
+
+
+def test_a_finished_request_no_longer_counts():
+    r, (a, b) = make()
+    a.queued = 50.0
+    poll(r)
+    ends = []
+    r.dispatch(req(1, 100), on_end=ends.append)
+    assert r.stats()["servers"][b.name]["load"] == 100.0
+    b.forwards[-1].on_end(None, False)  # prefill finished the room
+    assert ends == [None]
+    assert r.stats()["servers"][b.name]["load"] == 0.0
+    assert r.dispatch(req(2, 5))[1] == b.name
+
+
+def test_unreachable_server_is_marked_down_and_the_next_one_answers():
+    r, (a, b) = make()
+    a.refuse, a.down = "UNAVAILABLE: connection refused", True
+    routed, name = r.dispatch(req())
+    assert name == b.name and routed.bootstrap_addr == b.bootstrap
+    assert r.servers[0].state == ServerState.Down
+    assert r.stats()["servers"][a.name]["up"] == 0
+    assert r.stats()["servers"][a.name]["refused"] == 1
+    assert r.dispatch(req(2))[1] == b.name  # not tried again while down
+    assert len(a.forwards) == 1
+
+
+def test_an_error_answer_moves_on_without_marking_down():
+    r, (a, b) = make()
+    a.refuse = "prefill: overloaded, retry later: queue full"
+    assert r.dispatch(req())[1] == b.name
+    assert r.servers[0].state == ServerState.Up
+
+
+def test_error_names_every_server_when_none_is_left():
+    r, (a, b) = make()
+    a.refuse, a.down = "no answer in 1s (hung?)", True
+    b.refuse, b.down = "UNAVAILABLE: connection refused", True
+    with pytest.raises(NoPrefillServer) as e:
+        r.dispatch(req())
+    assert a.name in str(e.value) and "hung" in str(e.value)
+    assert b.name in str(e.value) and "connection refused" in str(e.value)
+    with pytest.raises(NoPrefillServer) as e:  # both down now: the reasons are kept
+        r.dispatch(req(2))
+    assert "down: no answer in 1s (hung?)" in str(e.value)
+
+
+def test_all_overloaded_is_overloaded():
+    r, (a, b) = make()
+    a.refuse = b.refuse = "prefill: overloaded, retry later: 64 requests wait"
+    with pytest.raises(errors.Overloaded):
+        r.dispatch(req())
+
+
+def test_down_server_is_probed_and_taken_back_when_ready():
+    r, (a, b) = make()
+    a.refuse, a.down = "UNAVAILABLE: connection refused", True
+    r.dispatch(req())
+    a.is_ready = False
+    poll(r)
+    assert r.servers[0].state == ServerState.Down
+    a.is_ready, a.refuse, a.down = True, "", False
+    poll(r)
+    assert r.servers[0].state == ServerState.Up
+    r.servers[1].client.queued = 500.0
+    poll(r)
+    assert r.dispatch(req(3))[1] == a.name
+
+
+def test_metrics_unreachable_marks_down():
+    r, (a, b) = make()
+    a.is_ready = False  # its metrics read fails too
+    poll(r)
+    assert r.servers[0].state == ServerState.Down and "metrics" in r.servers[0].reason
+
+
+def test_on_end_runs_once_after_the_answer_was_delivered_even_when_the_stream_ends_first():
+    r, (a,) = make(1)
+    order = []
+
+    def deliver(routed):
+        a.forwards[-1].on_end("UNAVAILABLE: Socket closed", True)  # lost before delivery ended
+        order.append("delivered")
+
+    r.dispatch(req(), on_end=lambda err: order.append(("end", err)), deliver=deliver)
+    assert order == ["delivered", ("end", "UNAVAILABLE: Socket closed")]
+    assert r.servers[0].state == ServerState.Down  # a lost connection marks the server down
+    assert r.stats()["servers"][a.name]["lost"] == 1
+
+
+def test_a_refused_forward_never_ends_the_request():
+    r, (a, b) = make()
+    a.refuse, a.down = "no answer in 1s (hung?)", True
+    ends = []
+    r.dispatch(req(), on_end=ends.append)
+    a.forwards[-1].on_end("CANCELLED", False)  # the hung forward's late end
+    assert ends == []
+    b.forwards[-1].on_end(None, False)
+    assert ends == [None]
+
+
+def test_servers_parameter_parses_and_rejects():
+    from backends.stages.params import StageParams
+
+    p = StageParams(prefill_servers="10.0.0.1:8001, 10.0.0.2:9001:9100")
+    assert p.servers() == [("10.0.0.1", 8001, 8002), ("10.0.0.2", 9001, 9100)]
+    for bad in ("10.0.0.1", "10.0.0.1:x", "h:8001,h:8001", "h:0"):
+        with pytest.raises(ValueError, match="prefill_servers"):
+            StageParams(prefill_servers=bad)
+
+
+def make_local(n=2, max_tokens=0, busy=0):
+    servers = [("10.0.0.1", 8001 + 100 * i, 8002 + 100 * i) for i in range(n)]
+    r = PrefillRouter(
+        servers, 1.0, 3600.0, client=FakeClient, local_max_tokens=max_tokens, local_busy_tokens=busy
+    )
+    return r, [s.client for s in r.servers]
+
+
+def test_short_prompts_are_prefilled_locally_and_long_ones_forwarded():
+    from backends.stages.router import LOCAL
+
+    r, (a, b) = make_local(max_tokens=16)
+    ends = []
+    routed, name = r.dispatch(req(1, 16), on_end=ends.append)
+    assert name == LOCAL and routed.bootstrap_addr == LOCAL and ends == [None]
+    assert not a.forwards and not b.forwards
+    assert r.dispatch(req(2, 17))[1] in (a.name, b.name)
+    assert r.stats()["servers"][LOCAL]["dispatched"] == 1
+
+
+def test_every_prompt_is_local_while_all_prefill_servers_are_busy():
+    from backends.stages.router import LOCAL
+
+    r, (a, b) = make_local(busy=500)
+    a.queued, b.queued = 600.0, 900.0
+    poll(r)
+    assert r.dispatch(req(1, 300))[1] == LOCAL
+    a.queued = 100.0
+    poll(r)
+    assert r.dispatch(req(2, 300))[1] == a.name  # one has room again
+
+
+def test_local_prefill_when_no_prefill_server_is_left():
+    from backends.stages.router import LOCAL
+
+    r, (a,) = make_local(n=1, busy=10_000)
+    a.refuse, a.down = "UNAVAILABLE: connection refused", True
+    assert r.dispatch(req(1, 300))[1] == LOCAL
+
+
+def test_colocated_needs_no_prefill_server():
+    from backends.stages.router import LOCAL
+
+    r = PrefillRouter([], 1.0, 3600.0, client=FakeClient, local_max_tokens=100_000)
+    assert r.dispatch(req(1, 2000))[1] == LOCAL
+    with pytest.raises(ValueError, match="at least one prefill server"):
+        PrefillRouter([], 1.0, 3600.0, client=FakeClient)
+
+
+def test_a_dns_name_with_several_addresses_is_one_server_each(monkeypatch):
+    """A Kubernetes headless Service: scaling the prefill pool changes the name's addresses."""
+    from backends.stages import router as rt
+
+    addrs = {"pd-prefill": ["10.1.0.5", "10.1.0.7"]}
+    monkeypatch.setattr(rt.socket, "gethostbyname_ex", lambda h: (h, [], addrs[h]))
+    r = PrefillRouter([("pd-prefill", 8001, 8002)], 1.0, 3600.0, client=FakeClient)
+    assert sorted(s.name for s in r.servers) == ["10.1.0.5:8001", "10.1.0.7:8001"]
+    addrs["pd-prefill"] = ["10.1.0.7", "10.1.0.9"]  # one pod gone, one new
+    r._refresh()
+    assert sorted(s.name for s in r.servers) == ["10.1.0.7:8001", "10.1.0.9:8001"]
+    assert r.dispatch(req())[1] in ("10.1.0.7:8001", "10.1.0.9:8001")
