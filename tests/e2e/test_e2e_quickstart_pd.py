@@ -32,7 +32,7 @@ def test_readme_disaggregated_quickstart_works_as_written(tmp_path):
     env = {**os.environ, "PD_RUN_DIR": str(tmp_path / "run"), "OMP_NUM_THREADS": "1"}
     probe = subprocess.run(["unshare", "-n", "true"], capture_output=True)
     if probe.returncode == 0:
-        cmd = ["unshare", "-n", "bash", "-c", "ip link set lo up && bash -c \"$0\"", script]
+        cmd = ["unshare", "-n", "bash", "-c", 'ip link set lo up && bash -c "$0"', script]
     else:
         cmd = ["bash", "-c", script]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
