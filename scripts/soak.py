@@ -14,7 +14,7 @@ killed prefill was reloaded by serve.sh's supervisor; at the end no KV page is i
 stage and the server is ready.
 
     .venv/bin/python scripts/soak.py                       # 1,000 requests (about 15 min)
-    .venv/bin/python scripts/soak.py --requests 200 --json # what CI runs
+    .venv/bin/python scripts/soak.py --requests 200 --max-prompt 250 --max-new 24 --json  # CI
 """
 
 from __future__ import annotations
@@ -71,10 +71,9 @@ def one(server, req: dict, timeout: float) -> Outcome:
 
 
 def plan(args, rng: random.Random) -> list[dict]:
-    pool = [
-        (rng.choice([8, 16, 40, 100, 250, 600]), rng.choice([4, 12, 24, 48]), i)
-        for i in range(args.distinct)
-    ]
+    lengths = [n for n in (8, 16, 40, 100, 250, 600) if n <= args.max_prompt] or [args.max_prompt]
+    news = [m for m in (4, 12, 24, 48) if m <= args.max_new] or [args.max_new]
+    pool = [(rng.choice(lengths), rng.choice(news), i) for i in range(args.distinct)]
     reqs = []
     for i in range(args.requests):
         n, m, seed = rng.choice(pool)
@@ -148,6 +147,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fault-share", type=float, default=0.05)
     ap.add_argument("--kill-at", type=float, default=0.5, help="kill a prefill process here")
     ap.add_argument("--timeout", type=float, default=300.0, help="a request's limit (a hang)")
+    ap.add_argument("--max-prompt", type=int, default=600, help="longest prompt, tokens")
+    ap.add_argument("--max-new", type=int, default=48, help="most new tokens per request")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)

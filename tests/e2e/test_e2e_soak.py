@@ -1,5 +1,6 @@
-"""The soak's CI variant: scripts/soak.py with 200 mixed requests (cancels, injected transfer
-faults, a prefill stage process killed half way) against a real server of its own."""
+"""The soak's CI variant: scripts/soak.py with 200 mixed requests (prompts up to 250 tokens, up to
+24 new tokens; cancels, injected transfer faults, a prefill stage process killed half way)
+against a real server of its own."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_soak_200_requests_end_well_and_leak_nothing():
     env = dict(os.environ, GLOG_minloglevel="2")
     cmd = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--requests", "200", "--json"]
+    cmd += ["--max-prompt", "250", "--max-new", "24"]  # shorter requests: CI's time budget
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
     assert proc.stdout.strip(), f"soak printed nothing; stderr tail:\n{proc.stderr[-3000:]}"
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -21,5 +21,5 @@ def test_fuzzer_short_run_passes_every_check():
     assert out.returncode == 0 and result["ok"], result
     assert result["messages"] == 3000 and result["legit_rooms"] >= 6
     # the frames really were hostile: every target dropped many of them, for several reasons
-    assert len(result["prefill_dropped"]) >= 4 and sum(result["prefill_dropped"].values()) > 300
+    assert len(result["prefill_dropped"]) >= 4 and sum(result["prefill_dropped"].values()) > 200
     assert sum(result["decode_dropped"].values()) > 300
