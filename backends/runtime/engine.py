@@ -207,13 +207,7 @@ class LLMEngine:
             for seq in seqs:
                 self._prefill([seq], out)
             return
-        errors: dict[int, str] = {}
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], errors)
-        for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
-            if token is None:
-                self._fail_seq(seq, f"sampling failed: {errors[i]}", out)
-            else:
-                self._emit(seq, token, out)
+        self._sample_and_emit(seqs, logits, out)
 
     def _prefill_chunks(self, seqs: list[Sequence]) -> list[list[Sequence]]:
         """Split in FIFO order into forwards of at most ``prefill_tokens`` prompt tokens (a longer
@@ -237,10 +231,14 @@ class LLMEngine:
             [s.num_tokens - 1 for s in decoding],
             [s.pages for s in decoding],
         )  # [B, vocab]
+        self._sample_and_emit(decoding, logits, out)
+
+    def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor, out: StepOutput) -> None:
+        """One token per sequence from its logits row; a sequence whose sampling fails ends with
+        that error, the others go on."""
         errors: dict[int, str] = {}
-        params, gens = [s.params for s in decoding], [s.generator for s in decoding]
-        tokens = sample(logits, params, gens, errors)
-        for i, (seq, token) in enumerate(zip(decoding, tokens, strict=True)):
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], errors)
+        for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             if token is None:
                 self._fail_seq(seq, f"sampling failed: {errors[i]}", out)
             else:

@@ -97,3 +97,13 @@ def reference_table() -> str:
     for mt in ROUTER_METRICS:
         rows.append(f"| `{mt.name}{{stage, instance, server}}` | {mt.kind} | {mt.doc} |")
     return "\n".join(rows) + "\n"
+
+
+def publish(metric, kind: str, value: float, last: list[float]) -> None:
+    """Set a Triton gauge, or advance a counter by what the stage's running total grew since
+    ``last[0]`` (a one-item list the caller keeps per metric)."""
+    if kind == "gauge":
+        metric.set(value)
+    elif value > last[0]:
+        metric.increment(value - last[0])
+        last[0] = value

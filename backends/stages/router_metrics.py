@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from .metrics import ROUTER_METRICS
+from .metrics import ROUTER_METRICS, publish
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +40,7 @@ class RouterMetrics:
                     metric = fam.Metric(labels={**self.labels, "server": server})
                     got = self.metrics[(key, server)] = (metric, [0.0])
                 metric, last = got
-                v = float(st[key])
-                if kind == "gauge":
-                    metric.set(v)
-                elif v > last[0]:
-                    metric.increment(v - last[0])
-                    last[0] = v
+                publish(metric, kind, float(st[key]), last)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import errors
 from . import request as rq
-from .metrics import FAILURES, METRICS
+from .metrics import FAILURES, METRICS, publish
 from .params import StageParams, from_triton_config
 
 log = logging.getLogger(__name__)
@@ -154,12 +154,7 @@ class StageMetrics:
         for kind, key, metric, last in self.metrics:
             if key not in st:
                 continue
-            v = float(st[key])
-            if kind == "gauge":
-                metric.set(v)
-            elif v > last[0]:
-                metric.increment(v - last[0])
-                last[0] = v
+            publish(metric, kind, float(st[key]), last)
         for reason, n in st.get(FAILURES.key, {}).items():
             if reason not in self.fail_metrics:
                 m = self.fail_family.Metric(labels={**self.labels, "reason": reason})
