@@ -16,6 +16,8 @@ class RMSNorm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D]; statistics in float32 as the reference implementations do
+        if x.dtype == torch.float32:  # one fused kernel, bitwise equal to the lines below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)

