@@ -195,19 +195,8 @@ class LLMEngine:
 
     def _prefill(self, seqs: list[Sequence], out: StepOutput) -> None:
         """Prefill newly admitted (not prefilled) sequences in one forward and emit their first
-        tokens; when the forward fails, retry one at a time so only a sequence that fails alone
-        ends with an error."""
-        try:
-            logits = self._prefill_logits(seqs)  # [B, V]
-        except Exception as e:
-            if len(seqs) == 1:
-                self._fail_seq(seqs[0], f"prefill failed: {type(e).__name__}: {e}", out)
-                return
-            log.warning("batched prefill failed (%s); retrying sequence by sequence", e)
-            for seq in seqs:
-                self._prefill([seq], out)
-            return
-        self._sample_and_emit(seqs, logits, out)
+        tokens."""
+        self._sample_and_emit(seqs, self._prefill_logits(seqs), out)
 
     def _prefill_chunks(self, seqs: list[Sequence]) -> list[list[Sequence]]:
         """Split in FIFO order into forwards of at most ``prefill_tokens`` prompt tokens (a longer
@@ -244,19 +233,19 @@ class LLMEngine:
             else:
                 self._emit(seq, token, out)
 
-    def _decode_isolated(self, decoding: list[Sequence], out: StepOutput) -> None:
-        """``_decode``; when the batch fails, retry one sequence at a time so only the ones that
-        fail alone end with an error."""
+    def _isolated(self, run, what: str, seqs: list[Sequence], out: StepOutput) -> None:
+        """``run(seqs, out)``; when the batch fails, run it again one sequence at a time (those
+        still running) so only a sequence that fails alone ends with an error."""
         try:
-            self._decode(decoding, out)
+            run(seqs, out)
         except Exception as e:
-            if len(decoding) == 1:
-                self._fail_seq(decoding[0], f"decode step failed: {type(e).__name__}: {e}", out)
+            if len(seqs) == 1:
+                self._fail_seq(seqs[0], f"{what} failed: {type(e).__name__}: {e}", out)
                 return
-            log.warning("batched decode step failed (%s); retrying sequence by sequence", e)
-            for seq in decoding:
+            log.warning("batched %s failed (%s); retrying sequence by sequence", what, e)
+            for seq in seqs:
                 if seq in self.running:
-                    self._decode_isolated([seq], out)
+                    self._isolated(run, what, [seq], out)
 
     def _admit(self, out: StepOutput) -> None:
         fresh: list[Sequence] = []  # admitted now, prompt KV still to compute
@@ -273,14 +262,14 @@ class LLMEngine:
                 continue
             fresh.append(seq)
         for chunk in self._prefill_chunks(fresh):
-            self._prefill(chunk, out)
+            self._isolated(self._prefill, "prefill", chunk, out)
 
     def step(self) -> StepOutput:
         out = StepOutput()
         decoding = list(self.running)  # sequences admitted before this step
         self._admit(out)
         if decoding:
-            self._decode_isolated(decoding, out)
+            self._isolated(self._decode, "decode step", decoding, out)
         return out
 
     def generate(
