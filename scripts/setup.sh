@@ -66,6 +66,11 @@ if [ ! -f "$SHIM" ] || [ "$ROOT/scripts/bind_shim.c" -nt "$SHIM" ]; then
 fi
 echo "$SHIM"
 
+step "runtime CPU kernels"  # see backends/runtime/cpu_kernels.py
+command -v g++ >/dev/null 2>&1 || { SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo";
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq g++; }
+"$VPY" -c "from backends.runtime import cpu_kernels; print(cpu_kernels.build())"
+
 step "default model"
 "$VPY" "$ROOT/scripts/convert_smollm2.py" --out "$ROOT/models/smollm2-135m-instruct"
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
-from .decode_attn import decode_attention
+from .decode_attn import cpu_decode_attention, decode_attention
 from .kernels import KernelSettings, Linear
 from .layers import RMSNorm
 from .paged import BatchMeta, paged_attention, write_kv
@@ -27,9 +27,12 @@ def _linear(w: WeightReader, name: str, kernels: KernelSettings) -> Linear:
 
 def attend(q, k_new, k_cache, meta, scale, kernels, v_new=None, v_cache=None, v_dim=None):
     """Paged attention (see :func:`~backends.runtime.paged.paged_attention` for the shapes),
-    through the compiled in-place decode kernel where it is chosen and available."""
-    if meta.kind == "decode" and kernels.attention == "compiled":
-        out = decode_attention(q, k_cache, v_cache, v_dim, meta, scale)
+    through an in-place decode kernel where one is chosen and available."""
+    if meta.kind == "decode" and kernels.attention != "sdpa":
+        if kernels.attention == "compiled":
+            out = decode_attention(q, k_cache, v_cache, v_dim, meta, scale)
+        else:
+            out = cpu_decode_attention(q, k_cache, v_cache, v_dim, meta, scale)
         if out is not None:
             return out
     return paged_attention(q, k_new, k_cache, meta, scale, v_new, v_cache, v_dim)

@@ -1,4 +1,5 @@
-"""Decode attention that reads the KV pages in place: one ``torch.compile``'d kernel.
+"""Decode attention that reads the KV pages in place: the runtime's C++ CPU kernel
+(:func:`cpu_decode_attention`, the default on CPU), or one ``torch.compile``'d kernel.
 
 The eager path (:func:`backends.runtime.paged.paged_attention`) copies every sequence's
 context out of the pool (``index_select``) and then runs SDPA over the copy: the context is read
@@ -7,10 +8,10 @@ twice and written once per layer. Written as indexing + reductions, the same mat
 slots (``k_cache[slots]`` becomes an indirect load inside the reduction), so each K and V row
 is read once and nothing is materialised.
 
-Opt-in with ``PD_RUNTIME_ATTENTION=compiled`` (see :mod:`backends.runtime.kernels`). The first
-call compiles (seconds; shapes are dynamic, so the batch size and context length do not
-recompile, apart from torch's own 0/1 size specialisation). If compiling fails the runtime logs
-one warning and stays on the eager path.
+The compiled kernel is opt-in with ``PD_RUNTIME_ATTENTION=compiled`` (see
+:mod:`backends.runtime.kernels`). Its first call compiles (seconds; shapes are dynamic, so the
+batch size and context length do not recompile, apart from torch's own 0/1 size
+specialisation). If compiling fails the runtime logs one warning and stays on the eager path.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import threading
 from typing import TYPE_CHECKING
 
 import torch
+
+from .cpu_kernels import paged_decode_op
 
 if TYPE_CHECKING:
     from .paged import BatchMeta
@@ -83,3 +86,27 @@ def decode_attention(
         _kernel = False
         return None
     return out.reshape(B, H, -1)
+
+
+def cpu_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    v_dim: int | None,
+    meta: BatchMeta,
+    scale: float,
+) -> torch.Tensor | None:
+    """As :func:`decode_attention`, through ``torch.ops.pd_runtime.paged_decode``: each K and V
+    row is read once, from its slot, for all the query heads of its KV head. -> [B, H, Dv], or
+    None off CPU or where the kernel cannot be built (the caller goes eager)."""
+    if q.device.type != "cpu":
+        return None
+    op = paged_decode_op()
+    if op is None:
+        return None
+    B, H, Dk = q.shape
+    Hkv = k_cache.shape[1]
+    v = k_cache[..., :v_dim] if v_cache is None else v_cache
+    lo, hi = meta.key_bounds
+    q = q.reshape(B, Hkv, H // Hkv, Dk).contiguous()
+    return op(q, k_cache, v, meta.read_slots, lo, hi, scale).reshape(B, H, -1)

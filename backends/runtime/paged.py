@@ -45,6 +45,7 @@ class BatchMeta:
     num_seqs: int
     max_q: int
     causal: bool = False  # mask is None and attention is plain causal (prefill from 0)
+    window: int | None = None  # sliding window, keys per query
 
     @classmethod
     def build(
@@ -83,6 +84,7 @@ class BatchMeta:
             num_seqs=B,
             max_q=max_q,
             causal=causal,
+            window=sliding_window,
         )
 
     @cached_property
@@ -91,6 +93,15 @@ class BatchMeta:
         if self.mask is not None:
             return self.mask[:, 0, 0, :]
         return torch.ones(self.read_slots.shape, dtype=torch.bool, device=self.read_slots.device)
+
+    @cached_property
+    def key_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode batches: (lo [B], hi [B]) int64, sequence b's one query sees keys [lo_b, hi_b)
+        of its row of ``read_slots`` (the mask's True run)."""
+        hi = self.ctx_lens
+        if self.window is None:
+            return torch.zeros_like(hi), hi
+        return (hi - self.window).clamp(min=0), hi
 
 
 def _check_and_table(

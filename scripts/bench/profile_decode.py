@@ -27,6 +27,7 @@ from backends.runtime.runner import ModelRunner  # noqa: E402
 
 CATEGORIES = [  # (category, substrings of operator names), first match wins
     ("KV gather (index_select)", ("index_select",)),
+    ("attention in place (C++ kernel)", ("pd_runtime::paged_decode",)),
     ("attention kernel (SDPA)", ("scaled_dot_product", "_flash_attention", "_efficient_att")),
     ("compiled kernels", ("graph_", "compiledfunction", "inductor", "cpp_fused", "triton_")),
     ("KV write (index_copy_)", ("index_copy",)),

@@ -11,7 +11,9 @@ import random
 import pytest
 import torch
 
-from backends.runtime.decode_attn import decode_attention
+from backends.runtime import cpu_kernels
+from backends.runtime.cpu_kernels import paged_decode_op
+from backends.runtime.decode_attn import cpu_decode_attention, decode_attention
 from backends.runtime.paged import BatchMeta, paged_attention, write_kv
 
 PS, HKV, H, D = 4, 2, 6, 8
@@ -123,3 +125,79 @@ def test_compiled_decode_kernel_matches_reference(mla):
     assert out is not None, "the compiled kernel did not build"
     ref = paged_attention(q, None, k_cache, meta, D**-0.5, None, v_cache, D if mla else None)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def cpu_kernel_batch(case, window, mla, dtype=torch.float32, seed=5):
+    torch.manual_seed(seed)
+    seqs = make_batch(CASES[case], seed=seed)
+    meta = BatchMeta.build(seqs, PS, 64, "cpu", window)
+    hkv, dk = (1, D + 4) if mla else (HKV, D)
+    k_cache = torch.randn(64 * PS, hkv, dk).to(dtype)
+    v_cache = None if mla else torch.randn(64 * PS, hkv, D).to(dtype)
+    q = torch.randn(len(seqs), H, dk).to(dtype)
+    return meta, q, k_cache, v_cache, D if mla else None
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
+@pytest.mark.parametrize("case", ["decode mixed", "decode equal"])
+def test_cpu_decode_kernel_matches_reference(case, window, mla):
+    """The C++ kernel (the CPU default) on fragmented, mixed-length decode batches: each
+    sequence reads only its own slots, inside its window."""
+    meta, q, k_cache, v_cache, v_dim = cpu_kernel_batch(case, window, mla)
+    out = cpu_decode_attention(q, k_cache, v_cache, v_dim, meta, D**-0.5)
+    assert out is not None, "the C++ kernel did not build"
+    ref = paged_attention(q, None, k_cache, meta, D**-0.5, None, v_cache, v_dim)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_decode_kernel_half_precision_accumulates_in_float32(dtype):
+    meta, q, k_cache, v_cache, _ = cpu_kernel_batch("decode mixed", None, False, dtype)
+    out = cpu_decode_attention(q, k_cache, v_cache, None, meta, D**-0.5)
+    assert out.dtype == dtype
+    ref = paged_attention(q.float(), None, k_cache.float(), meta, D**-0.5, None, v_cache.float())
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+def test_cpu_decode_kernel_long_rows_many_heads():
+    """Channel counts off the vector width (67 keys, 40 values), 4 query heads per KV head,
+    contexts of hundreds of keys with a window."""
+    g = torch.Generator().manual_seed(0)
+    S, hkv, G = 2048, 2, 4
+    k = torch.randn(S, hkv, 67, generator=g)
+    v = torch.randn(S, hkv, 40, generator=g)
+    slots = torch.randperm(S, generator=g)[: 3 * 600].view(3, 600)
+    hi = torch.tensor([600, 350, 1])
+    lo = (hi - 400).clamp(min=0)
+    q = torch.randn(3, hkv, G, 67, generator=g)
+    op = paged_decode_op()
+    out = op(q, k, v, slots, lo, hi, 0.1)
+    for b in range(3):
+        rows = slots[b, lo[b] : hi[b]]
+        kb, vb = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [Hkv, n, D]
+        p = (q[b].double() @ kb.double().transpose(1, 2) * 0.1).softmax(-1)
+        torch.testing.assert_close(out[b], (p @ vb.double()).float(), atol=2e-6, rtol=2e-6)
+
+
+def test_cpu_decode_kernel_refuses_slots_outside_the_pool():
+    op = paged_decode_op()
+    k = torch.zeros(16, 1, 8)
+    q = torch.zeros(1, 1, 2, 8)
+    one = torch.ones(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="slot 16 outside"):
+        op(q, k, k, torch.tensor([[16]]), one * 0, one, 1.0)
+    with pytest.raises(RuntimeError, match="not inside"):
+        op(q, k, k, torch.tensor([[3]]), one * 0, one * 2, 1.0)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        op(q.double(), k, k, torch.tensor([[3]]), one * 0, one, 1.0)
+
+
+def test_cpu_kernel_build_failure_falls_back_to_sdpa(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setenv("PD_RUNTIME_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    meta, q, k_cache, v_cache, _ = cpu_kernel_batch("decode equal", None, False)
+    assert cpu_decode_attention(q, k_cache, v_cache, None, meta, D**-0.5) is None
+    assert "C++ paged decode attention unavailable" in caplog.text
+    assert list(tmp_path.iterdir()) == []  # no half-written library left behind

@@ -1,0 +1,123 @@
+"""The runtime's own C++ CPU kernels: built once per machine with the system compiler, loaded as
+torch ops.
+
+``csrc/paged_decode.cpp`` registers ``torch.ops.pd_runtime.paged_decode``: decode attention that
+reads each sequence's K and V rows straight from the pool slots (no gathered copy), all the
+query heads of a KV head per row read. It is built against the installed torch (its headers and
+libraries, no other dependency) the first time a process asks for it, into a cache directory
+keyed by the source, the torch version and the compiler flags; later processes load the built
+library (well under a second). ``scripts/setup.sh`` builds it at install time.
+
+* ``PD_RUNTIME_KERNEL_DIR``: the cache directory (default ``$XDG_CACHE_HOME/pd-serving`` or
+  ``~/.cache/pd-serving``; a temporary directory when that is not writable).
+
+Without a C++ compiler, or when the build fails, :func:`paged_decode_op` returns None and logs
+one warning with the compiler's message; the runtime then uses gather + SDPA.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+BUILD_TIMEOUT_S = 300
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "op": the loaded op, or False once loading failed
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("PD_RUNTIME_KERNEL_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pd-serving"
+
+
+def compile_command(source: Path, output: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    libs = cpp_extension.library_paths()
+    return [
+        os.environ.get("CXX", "g++"),
+        "-O3",
+        "-std=c++20",
+        "-shared",
+        "-fPIC",
+        "-fopenmp",  # at::parallel_for; resolves to the libgomp torch has loaded
+        "-Wno-psabi",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{p}" for p in cpp_extension.include_paths()),
+        str(source),
+        "-o",
+        str(output),
+        *(f"-L{p}" for p in libs),
+        *(f"-Wl,-rpath,{p}" for p in libs),
+        "-lc10",
+        "-ltorch_cpu",
+    ]
+
+
+def library_path(directory: Path | None = None) -> Path:
+    """Where the library for this source, torch and command lives (built or not)."""
+    directory = directory or cache_dir()
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(torch.__version__.encode())
+    key.update(" ".join(compile_command(SOURCE, Path("out"))).encode())
+    return directory / f"paged_decode-{key.hexdigest()[:16]}.so"
+
+
+def build(directory: Path | None = None) -> Path:
+    """Build the library unless it is there; -> its path. Raises RuntimeError with the
+    compiler's message on failure. Safe when several processes build at once (each writes its
+    own file and renames it into place)."""
+    target = library_path(directory)
+    if target.exists():
+        return target
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        raise RuntimeError("no C++ compiler (g++, or $CXX) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = compile_command(SOURCE, Path(tmp))
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"building {SOURCE.name} failed:\n{done.stderr[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load():
+    try:
+        path = build()
+    except PermissionError:  # a read-only home
+        path = build(Path(tempfile.gettempdir()) / "pd-serving")
+    torch.ops.load_library(str(path))
+    return torch.ops.pd_runtime.paged_decode
+
+
+def paged_decode_op():
+    """The loaded ``torch.ops.pd_runtime.paged_decode``, or None where it cannot be built."""
+    with _lock:
+        if "op" not in _state:
+            try:
+                _state["op"] = _load()
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+                log.warning("C++ paged decode attention unavailable, using SDPA: %s", e)
+                _state["op"] = False
+        return _state["op"] or None

@@ -1,0 +1,243 @@
+// Paged decode attention for CPUs: one query token per sequence, keys and values read in place
+// from the KV pool's slots (no gathered copy of the context), float32 accumulation.
+//
+// Registered as torch.ops.pd_runtime.paged_decode (see backends/runtime/cpu_kernels.py):
+//   q      [B, Hkv, G, Dk]  the G query heads that share each KV head, contiguous
+//   k      [S, Hkv, Dk]     flat pool slots of one layer (last dim contiguous)
+//   v      [S, Hkv, Dv]     may be a view of k (MLA: the latent's first Dv channels)
+//   slots  [B, L] int64     each sequence's context slots, padded to the longest
+//   lo, hi [B] int64        sequence b attends to keys [lo_b, hi_b) of its row of slots
+//   -> out [B, Hkv, G, Dv]  in q's dtype
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxGroup = 256;  // query heads per KV head
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define PD_MULTIVERSION __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define PD_MULTIVERSION
+#endif
+
+#define PD_INLINE inline __attribute__((always_inline))
+
+// 8 floats as one value (GCC/Clang vector extension): AVX2 registers in the x86-64-v3 clone,
+// SSE pairs in the default one, NEON elsewhere.
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+
+PD_INLINE v8 load8(const float* p) {
+  v8 r;
+  __builtin_memcpy(&r, p, sizeof r);
+  return r;
+}
+
+PD_INLINE void store8(float* p, v8 x) { __builtin_memcpy(p, &x, sizeof x); }
+
+PD_INLINE float sum8(v8 x) {
+  float s = 0.f;
+  for (int j = 0; j < 8; ++j) s += x[j];
+  return s;
+}
+
+// dot(q, k) over n channels (two independent accumulators)
+PD_INLINE float dot(const float* q, const float* k, int64_t n) {
+  v8 a0 = {}, a1 = {};
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    a0 += load8(q + d) * load8(k + d);
+    a1 += load8(q + d + 8) * load8(k + d + 8);
+  }
+  for (; d + 8 <= n; d += 8) a0 += load8(q + d) * load8(k + d);
+  float s = sum8(a0 + a1);
+  for (; d < n; ++d) s += q[d] * k[d];
+  return s;
+}
+
+// out[0:n] += p * v[0:n]
+PD_INLINE void axpy(float* out, float p, const float* v, int64_t n) {
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) store8(out + d, load8(out + d) + p * load8(v + d));
+  for (; d < n; ++d) out[d] += p * v[d];
+}
+
+// exp(x) for x <= 0 (scores minus their maximum): 2^k * e^r with |r| <= ln2 / 2, e^r by a
+// degree-6 polynomial (relative error ~2e-7, like ATen's vectorized exp); -inf and below
+// -87 give 0.
+PD_INLINE v8 exp8(v8 x) {
+  const v8 lo = v8{} - 87.f;
+  const i8 under = x < lo;
+  x = x < lo ? lo : x;
+  const v8 magic = v8{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  v8 k = (x * 1.44269504088896341f + magic) - magic;
+  v8 r = x - k * 0.693359375f;  // ln2 in two parts, exact product with the first
+  r = r - k * -2.12194440e-4f;
+  v8 p = v8{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const i8 bits = (__builtin_convertvector(k, i8) + 127) << 23;  // 2^k
+  v8 two_k;
+  __builtin_memcpy(&two_k, &bits, sizeof two_k);
+  return under ? v8{} : p * two_k;
+}
+
+// Row of a cache as float32: the row itself, or converted into buf.
+template <typename T>
+PD_INLINE const float* as_float(const T* row, int64_t n, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+    for (int64_t d = 0; d < n; ++d) buf[d] = static_cast<float>(row[d]);
+    return buf;
+  }
+}
+
+// Rows are scattered over pages: ask for row l + kAhead while row l is computed.
+constexpr int64_t kAhead = 4;
+
+template <typename T>
+PD_INLINE void prefetch(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64)
+    __builtin_prefetch(c + off, 0, 1);
+}
+
+struct Shapes {
+  int64_t Hkv, G, Dk, Dv, L, S, ks0, ks1, vs0, vs1;
+};
+
+// One (sequence, KV head): G queries over keys row[0:n]. qf: the G scaled queries [G, Dk];
+// score: room for [G, n + 8]; acc: [G, Dv]; buf: [max(Dk, Dv)] -> out [G, Dv].
+template <typename T>
+PD_MULTIVERSION void attend_one(const Shapes& z, const float* qf, const T* kp, const T* vp,
+                                const int64_t* row, int64_t n, float* score, float* acc,
+                                float* buf, T* out) {
+  const int64_t G = z.G, Dk = z.Dk, Dv = z.Dv;
+  float mx[kMaxGroup], total[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::infinity();
+  for (int64_t l = 0; l < n; ++l) {  // scores: each key row read once for all G heads
+    if (l + kAhead < n) prefetch(kp + row[l + kAhead] * z.ks0, Dk);
+    const float* kr = as_float(kp + row[l] * z.ks0, Dk, buf);
+    for (int64_t g = 0; g < G; ++g) {
+      const float s = dot(qf + g * Dk, kr, Dk);
+      score[g * n + l] = s;
+      mx[g] = std::max(mx[g], s);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {  // softmax numerators, 8 at a time
+    float* sg = score + g * n;
+    const v8 m = v8{} + mx[g];
+    v8 t = {};
+    int64_t l = 0;
+    for (; l + 8 <= n; l += 8) {
+      const v8 e = exp8(load8(sg + l) - m);
+      store8(sg + l, e);
+      t += e;
+    }
+    total[g] = sum8(t);
+    for (; l < n; ++l) {
+      sg[l] = std::exp(sg[l] - mx[g]);
+      total[g] += sg[l];
+    }
+  }
+  std::fill(acc, acc + G * Dv, 0.f);
+  for (int64_t l = 0; l < n; ++l) {  // values: each row read once for all G heads
+    if (l + kAhead < n) prefetch(vp + row[l + kAhead] * z.vs0, Dv);
+    const float* vr = as_float(vp + row[l] * z.vs0, Dv, buf);
+    for (int64_t g = 0; g < G; ++g) axpy(acc + g * Dv, score[g * n + l], vr, Dv);
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] = static_cast<T>(acc[g * Dv + d] / total[g]);
+}
+
+template <typename T>
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+            const at::Tensor& slots, const at::Tensor& lo, const at::Tensor& hi, double scale,
+            at::Tensor& out) {
+  const Shapes z{q.size(1),   q.size(2),   q.size(3),   v.size(2),   slots.size(1),
+                 k.size(0),   k.stride(0), k.stride(1), v.stride(0), v.stride(1)};
+  const int64_t B = q.size(0), G = z.G, Dk = z.Dk, Dv = z.Dv;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* lop = lo.data_ptr<int64_t>();
+  const int64_t* hip = hi.data_ptr<int64_t>();
+  at::parallel_for(0, B * z.Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * Dk), acc(G * Dv), buf(std::max(Dk, Dv)), score;
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / z.Hkv, h = bh % z.Hkv;
+      for (int64_t i = 0; i < G * Dk; ++i)
+        qf[i] = static_cast<float>(qp[bh * G * Dk + i]) * static_cast<float>(scale);
+      score.resize(G * (hip[b] - lop[b]));
+      attend_one<T>(z, qf.data(), kp + h * z.ks1, vp + h * z.vs1, sp + b * z.L + lop[b],
+                    hip[b] - lop[b], score.data(), acc.data(), buf.data(), op + bh * G * Dv);
+    }
+  });
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& slots, const at::Tensor& lo, const at::Tensor& hi,
+                        double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.dim() == 3, "paged_decode: bad ranks");
+  TORCH_CHECK(q.is_contiguous(), "paged_decode: q must be contiguous");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "paged_decode: channels must be contiguous");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "paged_decode: q, k, v dtypes differ");
+  TORCH_CHECK(k.size(1) == q.size(1) && v.size(1) == q.size(1) && k.size(2) == q.size(3),
+              "paged_decode: head shapes differ");
+  TORCH_CHECK(v.size(0) == k.size(0), "paged_decode: k and v slot counts differ");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && lo.scalar_type() == at::kLong &&
+                  hi.scalar_type() == at::kLong,
+              "paged_decode: slots, lo, hi must be int64");
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == q.size(0) && slots.is_contiguous(),
+              "paged_decode: slots must be contiguous [B, L]");
+  TORCH_CHECK(lo.numel() == q.size(0) && hi.numel() == q.size(0), "paged_decode: lo/hi [B]");
+  auto lo_c = lo.contiguous(), hi_c = hi.contiguous();
+  const int64_t B = q.size(0), L = slots.size(1), S = k.size(0);
+  const int64_t *lop = lo_c.data_ptr<int64_t>(), *hip = hi_c.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  TORCH_CHECK(q.size(2) <= kMaxGroup, "paged_decode: more than ", kMaxGroup,
+              " query heads per KV head");
+  for (int64_t b = 0; b < B; ++b) {  // every slot a sequence reads is inside the pool
+    TORCH_CHECK(0 <= lop[b] && lop[b] < hip[b] && hip[b] <= L, "paged_decode: sequence ", b,
+                " keys [", lop[b], ", ", hip[b], ") not inside [0, ", L, ")");
+    for (int64_t l = lop[b]; l < hip[b]; ++l)
+      TORCH_CHECK(0 <= sp[b * L + l] && sp[b * L + l] < S, "paged_decode: slot ",
+                  sp[b * L + l], " outside [0, ", S, ")");
+  }
+  auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(2)}, q.options());
+  switch (q.scalar_type()) {
+    case at::kFloat: attend<float>(q, k, v, slots, lo_c, hi_c, scale, out); break;
+    case at::kBFloat16: attend<c10::BFloat16>(q, k, v, slots, lo_c, hi_c, scale, out); break;
+    case at::kHalf: attend<c10::Half>(q, k, v, slots, lo_c, hi_c, scale, out); break;
+    default: TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pd_runtime, m) {
+  m.def("paged_decode(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lo, Tensor hi, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pd_runtime, CPU, m) { m.impl("paged_decode", &paged_decode); }
