@@ -1,7 +1,7 @@
 """The runtime's own C++ CPU kernels: built once per machine with the system compiler, loaded as
 torch ops.
 
-``csrc/paged_decode.cpp`` registers ``torch.ops.pd_runtime.paged_decode``: decode attention that
+``csrc/cpu_ops.cpp`` registers ``torch.ops.pd_runtime.paged_decode``: decode attention that
 reads each sequence's K and V rows straight from the pool slots (no gathered copy), all the
 query heads of a KV head per row read. It is built against the installed torch (its headers and
 libraries, no other dependency) the first time a process asks for it, into a cache directory
@@ -30,7 +30,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
 BUILD_TIMEOUT_S = 300
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "op": the loaded op, or False once loading failed
@@ -75,7 +75,7 @@ def library_path(directory: Path | None = None) -> Path:
     key = hashlib.sha256(SOURCE.read_bytes())
     key.update(torch.__version__.encode())
     key.update(" ".join(compile_command(SOURCE, Path("out"))).encode())
-    return directory / f"paged_decode-{key.hexdigest()[:16]}.so"
+    return directory / f"cpu_ops-{key.hexdigest()[:16]}.so"
 
 
 def build(directory: Path | None = None) -> Path:

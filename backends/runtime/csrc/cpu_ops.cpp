@@ -1,7 +1,8 @@
-// Paged decode attention for CPUs: one query token per sequence, keys and values read in place
-// from the KV pool's slots (no gathered copy of the context), float32 accumulation.
+// The runtime's CPU kernels (built and loaded by backends/runtime/cpu_kernels.py).
 //
-// Registered as torch.ops.pd_runtime.paged_decode (see backends/runtime/cpu_kernels.py):
+// torch.ops.pd_runtime.paged_decode: decode attention, one query token per sequence, keys and
+// values read in place from the KV pool's slots (no gathered copy of the context), float32
+// accumulation.
 //   q      [B, Hkv, G, Dk]  the G query heads that share each KV head, contiguous
 //   k      [S, Hkv, Dk]     flat pool slots of one layer (last dim contiguous)
 //   v      [S, Hkv, Dv]     may be a view of k (MLA: the latent's first Dv channels)
@@ -22,8 +23,6 @@
 #include <vector>
 
 namespace {
-
-constexpr int64_t kMaxGroup = 256;  // query heads per KV head
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define PD_MULTIVERSION __attribute__((target_clones("arch=x86-64-v3", "default")))
@@ -46,31 +45,11 @@ PD_INLINE v8 load8(const float* p) {
 
 PD_INLINE void store8(float* p, v8 x) { __builtin_memcpy(p, &x, sizeof x); }
 
-PD_INLINE float sum8(v8 x) {
-  float s = 0.f;
-  for (int j = 0; j < 8; ++j) s += x[j];
-  return s;
-}
-
-// dot(q, k) over n channels (two independent accumulators)
-PD_INLINE float dot(const float* q, const float* k, int64_t n) {
-  v8 a0 = {}, a1 = {};
-  int64_t d = 0;
-  for (; d + 16 <= n; d += 16) {
-    a0 += load8(q + d) * load8(k + d);
-    a1 += load8(q + d + 8) * load8(k + d + 8);
-  }
-  for (; d + 8 <= n; d += 8) a0 += load8(q + d) * load8(k + d);
-  float s = sum8(a0 + a1);
-  for (; d < n; ++d) s += q[d] * k[d];
-  return s;
-}
-
-// out[0:n] += p * v[0:n]
-PD_INLINE void axpy(float* out, float p, const float* v, int64_t n) {
-  int64_t d = 0;
-  for (; d + 8 <= n; d += 8) store8(out + d, load8(out + d) + p * load8(v + d));
-  for (; d < n; ++d) out[d] += p * v[d];
+PD_INLINE float sum8(v8 x) {  // pairwise: three dependent adds, not seven
+  typedef float v4 __attribute__((vector_size(16)));
+  const v4 a = __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
+  const float b0 = a[0] + a[2], b1 = a[1] + a[3];
+  return b0 + b1;
 }
 
 // exp(x) for x <= 0 (scores minus their maximum): 2^k * e^r with |r| <= ln2 / 2, e^r by a
@@ -108,8 +87,9 @@ PD_INLINE const float* as_float(const T* row, int64_t n, float* buf) {
   }
 }
 
-// Rows are scattered over pages: ask for row l + kAhead while row l is computed.
-constexpr int64_t kAhead = 4;
+// Rows are scattered over pages: ask for row l + ahead while row l is computed, far enough
+// ahead to cover a memory round trip (a key row costs more work than a value line).
+constexpr int64_t kKeyAhead = 8, kValueAhead = 32;
 
 template <typename T>
 PD_INLINE void prefetch(const T* p, int64_t n) {
@@ -118,52 +98,126 @@ PD_INLINE void prefetch(const T* p, int64_t n) {
     __builtin_prefetch(c + off, 0, 1);
 }
 
+// Scores of GT query heads against rows row[0:n] of one KV head: score[g * n + l] =
+// q_g . k_row(l). Each key row is loaded once, chunk by chunk, for the GT heads.
+template <int GT, typename T>
+PD_INLINE void score_rows(const float* qf, int64_t Dk, const T* kp, int64_t ks0,
+                          const int64_t* row, int64_t n, float* score, float* buf) {
+  for (int64_t l = 0; l < n; ++l) {
+    if (l + kKeyAhead < n) prefetch(kp + row[l + kKeyAhead] * ks0, Dk);
+    const float* kr = as_float(kp + row[l] * ks0, Dk, buf);
+    v8 acc[GT] = {};
+    int64_t d = 0;
+    for (; d + 8 <= Dk; d += 8) {
+      const v8 kc = load8(kr + d);
+      for (int g = 0; g < GT; ++g) acc[g] += load8(qf + g * Dk + d) * kc;
+    }
+    for (int g = 0; g < GT; ++g) {
+      float s = sum8(acc[g]);
+      for (int64_t t = d; t < Dk; ++t) s += qf[g * Dk + t] * kr[t];
+      score[g * n + l] = s;
+    }
+  }
+}
+
+// out[g, c0 : c0 + 8 * CW] = sum_l p[g * n + l] * v_row(l)[c0 : ...] for GT heads: the
+// accumulators stay in registers for the whole context; each pass reads one cache line of
+// every value row (CW = 2: 16 floats).
+template <int GT, int CW, typename T>
+PD_INLINE void value_chunk(const float* p, const T* vp, int64_t vs0, const int64_t* row,
+                           int64_t n, int64_t c0, float* out, int64_t Dv) {
+  v8 acc[GT][CW] = {};
+  for (int64_t l = 0; l < n; ++l) {
+    if (l + kValueAhead < n) prefetch(vp + row[l + kValueAhead] * vs0 + c0, 8 * CW);
+    const T* vr = vp + row[l] * vs0 + c0;
+    v8 vc[CW];
+    for (int c = 0; c < CW; ++c) {
+      if constexpr (std::is_same_v<T, float>) {
+        vc[c] = load8(vr + 8 * c);
+      } else {
+        for (int j = 0; j < 8; ++j) vc[c][j] = static_cast<float>(vr[8 * c + j]);
+      }
+    }
+    for (int g = 0; g < GT; ++g) {
+      const float pg = p[g * n + l];
+      for (int c = 0; c < CW; ++c) acc[g][c] += pg * vc[c];
+    }
+  }
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < CW; ++c) store8(out + g * Dv + c0 + 8 * c, acc[g][c]);
+}
+
+// All Dv channels of GT heads: 16 at a time, then 8, then one by one.
+template <int GT, typename T>
+PD_INLINE void value_rows(const float* p, const T* vp, int64_t vs0, const int64_t* row,
+                          int64_t n, float* out, int64_t Dv) {
+  int64_t c0 = 0;
+  if constexpr (GT <= 4) {
+    for (; c0 + 16 <= Dv; c0 += 16) value_chunk<GT, 2>(p, vp, vs0, row, n, c0, out, Dv);
+  }
+  for (; c0 + 8 <= Dv; c0 += 8) value_chunk<GT, 1>(p, vp, vs0, row, n, c0, out, Dv);
+  for (; c0 < Dv; ++c0)
+    for (int g = 0; g < GT; ++g) {
+      float s = 0.f;
+      for (int64_t l = 0; l < n; ++l) s += p[g * n + l] * static_cast<float>(vp[row[l] * vs0 + c0]);
+      out[g * Dv + c0] = s;
+    }
+}
+
+// softmax numerators in place over score[0:n] -> their sum
+PD_INLINE float softmax_numerators(float* score, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t l = 0; l < n; ++l) mx = std::max(mx, score[l]);
+  const v8 m = v8{} + mx;
+  v8 t = {};
+  int64_t l = 0;
+  for (; l + 8 <= n; l += 8) {
+    const v8 e = exp8(load8(score + l) - m);
+    store8(score + l, e);
+    t += e;
+  }
+  float total = sum8(t);
+  for (; l < n; ++l) {
+    score[l] = std::exp(score[l] - mx);
+    total += score[l];
+  }
+  return total;
+}
+
+template <int GT, typename T>
+PD_INLINE void attend_tile(const float* qf, int64_t Dk, int64_t Dv, const T* kp, int64_t ks0,
+                           const T* vp, int64_t vs0, const int64_t* row, int64_t n,
+                           float* score, float* buf, float* acc, T* out) {
+  score_rows<GT>(qf, Dk, kp, ks0, row, n, score, buf);
+  float total[GT];
+  for (int g = 0; g < GT; ++g) total[g] = softmax_numerators(score + g * n, n);
+  value_rows<GT>(score, vp, vs0, row, n, acc, Dv);
+  for (int g = 0; g < GT; ++g)
+    for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] = static_cast<T>(acc[g * Dv + d] / total[g]);
+}
+
 struct Shapes {
   int64_t Hkv, G, Dk, Dv, L, S, ks0, ks1, vs0, vs1;
 };
 
-// One (sequence, KV head): G queries over keys row[0:n]. qf: the G scaled queries [G, Dk];
-// score: room for [G, n + 8]; acc: [G, Dv]; buf: [max(Dk, Dv)] -> out [G, Dv].
+// One (sequence, KV head): G queries over keys row[0:n], in tiles of up to 4 query heads.
+// qf: the G scaled queries [G, Dk]; score: room for [4, n]; acc: [4, Dv]; buf: [max(Dk, Dv)]
+// -> out [G, Dv].
 template <typename T>
 PD_MULTIVERSION void attend_one(const Shapes& z, const float* qf, const T* kp, const T* vp,
                                 const int64_t* row, int64_t n, float* score, float* acc,
                                 float* buf, T* out) {
-  const int64_t G = z.G, Dk = z.Dk, Dv = z.Dv;
-  float mx[kMaxGroup], total[kMaxGroup];
-  for (int64_t g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::infinity();
-  for (int64_t l = 0; l < n; ++l) {  // scores: each key row read once for all G heads
-    if (l + kAhead < n) prefetch(kp + row[l + kAhead] * z.ks0, Dk);
-    const float* kr = as_float(kp + row[l] * z.ks0, Dk, buf);
-    for (int64_t g = 0; g < G; ++g) {
-      const float s = dot(qf + g * Dk, kr, Dk);
-      score[g * n + l] = s;
-      mx[g] = std::max(mx[g], s);
+  const int64_t Dk = z.Dk, Dv = z.Dv;
+  for (int64_t g = 0; g < z.G; g += 4) {
+    const float* q = qf + g * Dk;
+    T* o = out + g * Dv;
+    switch (std::min<int64_t>(z.G - g, 4)) {
+      case 4: attend_tile<4>(q, Dk, Dv, kp, z.ks0, vp, z.vs0, row, n, score, buf, acc, o); break;
+      case 3: attend_tile<3>(q, Dk, Dv, kp, z.ks0, vp, z.vs0, row, n, score, buf, acc, o); break;
+      case 2: attend_tile<2>(q, Dk, Dv, kp, z.ks0, vp, z.vs0, row, n, score, buf, acc, o); break;
+      default: attend_tile<1>(q, Dk, Dv, kp, z.ks0, vp, z.vs0, row, n, score, buf, acc, o);
     }
   }
-  for (int64_t g = 0; g < G; ++g) {  // softmax numerators, 8 at a time
-    float* sg = score + g * n;
-    const v8 m = v8{} + mx[g];
-    v8 t = {};
-    int64_t l = 0;
-    for (; l + 8 <= n; l += 8) {
-      const v8 e = exp8(load8(sg + l) - m);
-      store8(sg + l, e);
-      t += e;
-    }
-    total[g] = sum8(t);
-    for (; l < n; ++l) {
-      sg[l] = std::exp(sg[l] - mx[g]);
-      total[g] += sg[l];
-    }
-  }
-  std::fill(acc, acc + G * Dv, 0.f);
-  for (int64_t l = 0; l < n; ++l) {  // values: each row read once for all G heads
-    if (l + kAhead < n) prefetch(vp + row[l + kAhead] * z.vs0, Dv);
-    const float* vr = as_float(vp + row[l] * z.vs0, Dv, buf);
-    for (int64_t g = 0; g < G; ++g) axpy(acc + g * Dv, score[g * n + l], vr, Dv);
-  }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] = static_cast<T>(acc[g * Dv + d] / total[g]);
 }
 
 template <typename T>
@@ -181,12 +235,12 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t* lop = lo.data_ptr<int64_t>();
   const int64_t* hip = hi.data_ptr<int64_t>();
   at::parallel_for(0, B * z.Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * Dk), acc(G * Dv), buf(std::max(Dk, Dv)), score;
+    std::vector<float> qf(G * Dk), acc(4 * Dv), buf(std::max(Dk, Dv)), score;
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / z.Hkv, h = bh % z.Hkv;
       for (int64_t i = 0; i < G * Dk; ++i)
         qf[i] = static_cast<float>(qp[bh * G * Dk + i]) * static_cast<float>(scale);
-      score.resize(G * (hip[b] - lop[b]));
+      score.resize(4 * (hip[b] - lop[b]));
       attend_one<T>(z, qf.data(), kp + h * z.ks1, vp + h * z.vs1, sp + b * z.L + lop[b],
                     hip[b] - lop[b], score.data(), acc.data(), buf.data(), op + bh * G * Dv);
     }
@@ -214,8 +268,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const int64_t B = q.size(0), L = slots.size(1), S = k.size(0);
   const int64_t *lop = lo_c.data_ptr<int64_t>(), *hip = hi_c.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  TORCH_CHECK(q.size(2) <= kMaxGroup, "paged_decode: more than ", kMaxGroup,
-              " query heads per KV head");
   for (int64_t b = 0; b < B; ++b) {  // every slot a sequence reads is inside the pool
     TORCH_CHECK(0 <= lop[b] && lop[b] < hip[b] && hip[b] <= L, "paged_decode: sequence ", b,
                 " keys [", lop[b], ", ", hip[b], ") not inside [0, ", L, ")");
