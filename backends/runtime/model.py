@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from .attention import GQAAttention, MLAAttention
 from .config import ModelConfig
+from .cpu_kernels import paged_decode_op
 from .kernels import KernelSettings, Linear
 from .layers import MLP, MoE, RMSNorm
 from .paged import BatchMeta
@@ -49,6 +50,8 @@ class CausalLM:
     def __init__(self, cfg: ModelConfig, w: WeightReader, device, dtype: torch.dtype):
         self.cfg = cfg
         self.kernels = KernelSettings.from_env()
+        if self.kernels.attention == "auto" and torch.device(device).type == "cpu":
+            paged_decode_op()  # build or load the C++ decode kernel now, not at the first step
         self.embed_tokens = w.get("model.embed_tokens.weight")  # [V, hidden]
         if cfg.tie_word_embeddings or not w.has("lm_head.weight"):
             self.lm_head = self.embed_tokens

@@ -8,6 +8,7 @@ import runtime_models as rm
 import torch
 import torch.nn.functional as F
 
+from backends.runtime.cpu_kernels import paged_decode_op
 from backends.runtime.engine import LLMEngine
 from backends.runtime.kernels import KernelSettings, Linear, pack_for_onednn
 from backends.runtime.runner import ModelRunner
@@ -54,6 +55,28 @@ def test_model_with_torch_linear_gives_the_same_tokens(monkeypatch):
         engine = LLMEngine(runner, runner.make_pool(40, 4), max_batch=4)
         outs.append([s.output_ids for s in engine.generate([(p, params) for p in prompts])])
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "deepseek_v2"])
+def test_cpu_decode_kernel_gives_the_tokens_of_sdpa(monkeypatch, kind):
+    """The default C++ decode attention against gather + SDPA through whole generations: GQA,
+    a sliding window (mistral) and MLA's latent (deepseek_v2), mixed lengths in one batch."""
+    prompts = [rm.random_prompt(n, seed=n) for n in (3, 9, 14, 30)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    outs = []
+    for choice in ("auto", "sdpa"):
+        monkeypatch.setenv("PD_RUNTIME_ATTENTION", choice)
+        runner = ModelRunner.load(rm.checkpoint(kind))
+        engine = LLMEngine(runner, runner.make_pool(64, 4), max_batch=4)
+        outs.append([s.output_ids for s in engine.generate([(p, params) for p in prompts])])
+    assert paged_decode_op() is not None
+    assert outs[0] == outs[1]
+
+
+def test_attention_setting():
+    assert KernelSettings().attention == "auto"
+    with pytest.raises(ValueError, match="PD_RUNTIME_ATTENTION"):
+        KernelSettings(attention="flash")
 
 
 @pytest.mark.parametrize("budget", [1, 20, 4096])
