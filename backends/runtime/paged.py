@@ -17,10 +17,12 @@ Three kinds of forward, picked once per batch (:attr:`BatchMeta.kind`):
 * ``decode``: one new token per sequence: queries need no padding;
 * ``extend``: anything else (prefill continuation, speculative verify, draft catch-up).
 
-Pool reads (``decode`` / ``extend``) go through :func:`gather_context`: one ``index_select``
-per layer component on the pool viewed as 2-D ``[slots, Hkv * D]`` rows (measured 37x faster
-than the same select on the 3-D view, 0.2 ms vs 8 ms for 4.6k slots of SmolLM2), or through a
-compiled kernel that reads the pages in place (:mod:`backends.runtime.decode_attn`).
+Pool reads (``extend``, and ``decode`` where no in-place kernel runs) go through
+:func:`gather_context`: one ``index_select`` per layer component on the pool viewed as 2-D
+``[slots, Hkv * D]`` rows (measured 37x faster than the same select on the 3-D view, 0.2 ms vs
+8 ms for 4.6k slots of SmolLM2). On CPU, decode reads the pages in place instead, with the
+runtime's C++ kernel (:mod:`backends.runtime.decode_attn`); ``key_bounds`` is its view of the
+mask.
 """
 
 from __future__ import annotations
