@@ -12,7 +12,7 @@ Two settings, read from the environment when a model loads (``KernelSettings.fro
 * ``PD_RUNTIME_ATTENTION`` = ``auto`` (default) | ``sdpa`` | ``compiled``: decode attention.
   ``auto``: on CPU the runtime's C++ kernel that reads K and V rows in place from the pool
   (:mod:`backends.runtime.cpu_kernels`; measured at 8 x 512 / 32 x 256 / 1 x 512 on SmolLM2
-  shapes: 0.74 / 1.77 / 0.06 ms a layer against 1.50 / 4.09 / 0.19 for gather + SDPA), gather
+  shapes: 0.52 / 1.23 / 0.06 ms a layer against 1.08 / 2.78 / 0.17 for gather + SDPA), gather
   + SDPA elsewhere or where the kernel cannot be built; ``sdpa``: always gather + SDPA;
   ``compiled``: the ``torch.compile``'d kernel (:mod:`backends.runtime.decode_attn`).
 """
