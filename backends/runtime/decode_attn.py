@@ -60,6 +60,15 @@ def _get_kernel():
         return _kernel
 
 
+def _grouped(q, k_cache, v_cache, v_dim):
+    """q [B, H, Dk] -> (q as [B, Hkv, G, Dk]: the G query heads of each KV head, the values:
+    v_cache, or the keys' first ``v_dim`` channels)."""
+    B, H, Dk = q.shape
+    Hkv = k_cache.shape[1]
+    v = k_cache[..., :v_dim] if v_cache is None else v_cache
+    return q.reshape(B, Hkv, H // Hkv, Dk), v
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -74,18 +83,14 @@ def decode_attention(
     kernel = _get_kernel()
     if kernel is False:
         return None
-    B, H, Dk = q.shape
-    Hkv = k_cache.shape[1]
-    v = k_cache[..., :v_dim] if v_cache is None else v_cache
+    qg, v = _grouped(q, k_cache, v_cache, v_dim)
     try:
-        out = kernel(
-            q.view(B, Hkv, H // Hkv, Dk), k_cache, v, meta.read_slots, meta.key_valid, scale
-        )
+        out = kernel(qg, k_cache, v, meta.read_slots, meta.key_valid, scale)
     except Exception as e:  # no C++ compiler, an unsupported backend, ...
         log.warning("compiled decode attention unavailable, using SDPA: %s", e)
         _kernel = False
         return None
-    return out.reshape(B, H, -1)
+    return out.reshape(q.shape[0], q.shape[1], -1)
 
 
 def cpu_decode_attention(
@@ -104,9 +109,7 @@ def cpu_decode_attention(
     op = paged_decode_op()
     if op is None:
         return None
-    B, H, Dk = q.shape
-    Hkv = k_cache.shape[1]
-    v = k_cache[..., :v_dim] if v_cache is None else v_cache
+    qg, v = _grouped(q, k_cache, v_cache, v_dim)
     lo, hi = meta.key_bounds
-    q = q.reshape(B, Hkv, H // Hkv, Dk).contiguous()
-    return op(q, k_cache, v, meta.read_slots, lo, hi, scale).reshape(B, H, -1)
+    out = op(qg.contiguous(), k_cache, v, meta.read_slots, lo, hi, scale)
+    return out.reshape(q.shape[0], q.shape[1], -1)
