@@ -14,9 +14,10 @@ import torch
 
 from .config import ModelConfig
 from .decode_attn import cpu_decode_attention, decode_attention
-from .kernels import KernelSettings, Linear
+from .kernels import KernelSettings, Linear, fused_ops
 from .layers import RMSNorm
 from .paged import BatchMeta, paged_attention, write_kv
+from .prefill_attn import cpu_prefill_attention
 from .rope import RotaryEmbedding
 from .weights import WeightReader
 
@@ -27,7 +28,12 @@ def _linear(w: WeightReader, name: str, kernels: KernelSettings) -> Linear:
 
 def attend(q, k_new, k_cache, meta, scale, kernels, v_new=None, v_cache=None, v_dim=None):
     """Paged attention (see :func:`~backends.runtime.paged.paged_attention` for the shapes),
-    through an in-place decode kernel where one is chosen and available."""
+    through the runtime's kernels where one is chosen and available: the in-place decode
+    kernel, the C++ prefill kernel (``auto`` on CPU)."""
+    if meta.kind == "prefill" and kernels.attention == "auto":
+        out = cpu_prefill_attention(q, k_new, v_new, v_dim, meta, scale)
+        if out is not None:
+            return out
     if meta.kind == "decode" and kernels.attention != "sdpa":
         if kernels.attention == "compiled":
             out = decode_attention(q, k_cache, v_cache, v_dim, meta, scale)
@@ -57,19 +63,27 @@ class GQAAttention:
         self.rope = rope
         self.scale = cfg.softmax_scale
         self.kernels = kernels
+        # rotary embedding + KV write as one C++ op (rotate-half style, the usual one)
+        self.fused = fused_ops(q, kernels) if rope.style == "half" else None
 
     def __call__(self, x: torch.Tensor, meta: BatchMeta, kv: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden]; kv: this layer's pool slab [2, pages, page_size, Hkv, D]."""
         T = x.shape[0]
         H, Hkv, D = self.H, self.Hkv, self.D
-        qkv = self.qkv(x).view(T, H + 2 * Hkv, D)  # [T, H + 2 Hkv, D]
-        qk = self.rope.apply(qkv[:, : H + Hkv], meta.positions)  # q and k heads in one rotation
-        q, k = qk.split([H, Hkv], dim=1)  # q: [T, H, D]; k: [T, Hkv, D]
-        v = qkv[:, H + Hkv :]  # [T, Hkv, D]
+        qkv = self.qkv(x)  # [T, (H + 2 Hkv) D]
         k_cache = kv[0].view(-1, Hkv, D)  # [S, Hkv, D]
         v_cache = kv[1].view(-1, Hkv, D)
-        write_kv(k_cache, meta, k)
-        write_kv(v_cache, meta, v)
+        v = qkv.view(T, H + 2 * Hkv, D)[:, H + Hkv :]  # [T, Hkv, D]
+        if self.fused is not None and k_cache.dtype == qkv.dtype:
+            cos, sin = self.rope.tables()
+            q, k = self.fused.rope_write_kv(
+                qkv, cos, sin, meta.positions, meta.write_slots, k_cache, v_cache, H, Hkv
+            )  # q: [T, H, D]; k: [T, Hkv, D]; k and v written to the pool
+        else:
+            qk = self.rope.apply(qkv.view(T, H + 2 * Hkv, D)[:, : H + Hkv], meta.positions)
+            q, k = qk.split([H, Hkv], dim=1)  # q and k heads in one rotation
+            write_kv(k_cache, meta, k)
+            write_kv(v_cache, meta, v)
         out = attend(q, k, k_cache, meta, self.scale, self.kernels, v, v_cache)  # [T, H, D]
         return self.o(out.reshape(T, H * D))
 
@@ -90,11 +104,11 @@ class MLAAttention:
             self.q_proj = Linear(w.get(f"{prefix}.q_proj.weight"), None, kernels)
         else:
             self.q_a = _linear(w, f"{prefix}.q_a_proj", kernels)
-            self.q_a_norm = RMSNorm(w.get(f"{prefix}.q_a_layernorm.weight"), 1e-6)
+            self.q_a_norm = RMSNorm(w.get(f"{prefix}.q_a_layernorm.weight"), 1e-6, kernels)
             self.q_b = Linear(w.get(f"{prefix}.q_b_proj.weight"), None, kernels)
         self.q_lora = cfg.q_lora_rank is not None
         self.kv_a = _linear(w, f"{prefix}.kv_a_proj_with_mqa", kernels)  # [R + dr, hidden]
-        self.kv_norm = RMSNorm(w.get(f"{prefix}.kv_a_layernorm.weight"), 1e-6)
+        self.kv_norm = RMSNorm(w.get(f"{prefix}.kv_a_layernorm.weight"), 1e-6, kernels)
         kv_b = w.get(f"{prefix}.kv_b_proj.weight").view(self.H, self.dn + self.dv, self.R)
         self.w_uk = kv_b[:, : self.dn, :]  # [H, dn, R]
         self.w_uv = kv_b[:, self.dn :, :]  # [H, dv, R]

@@ -6,21 +6,31 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .kernels import KernelSettings, Linear
+from .kernels import KernelSettings, Linear, fused_ops
 from .weights import WeightReader
 
 
 class RMSNorm:
-    def __init__(self, weight: torch.Tensor, eps: float):
+    def __init__(self, weight: torch.Tensor, eps: float, kernels: KernelSettings | None = None):
         self.weight, self.eps = weight, eps
+        self.fused = fused_ops(weight, kernels)  # the C++ ops, or None: torch's
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D]; statistics in float32 as the reference implementations do
-        if x.dtype == torch.float32:  # one fused kernel, bitwise equal to the lines below
+        if self.fused is not None and x.dim() == 2:
+            return self.fused.rms_norm(x, self.weight, self.eps)
+        if x.dtype == torch.float32:  # one torch op, bitwise equal to the lines below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual add, then the norm: -> (x + delta, norm(x + delta)); x, delta: [T, D]."""
+        if self.fused is not None:
+            return self.fused.add_rms_norm(x, delta, self.weight, self.eps)
+        s = x + delta
+        return s, self(s)
 
 
 class MLP:
@@ -35,10 +45,14 @@ class MLP:
         self.down = Linear(
             w.get(f"{prefix}.down_proj.weight"), w.opt(f"{prefix}.down_proj.bias"), kernels
         )
+        self.fused = fused_ops(gate, kernels)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D] -> [T, D]
-        gate, up = self.gate_up(x).split(self.inter, dim=-1)  # [T, I] each
+        gate_up = self.gate_up(x)  # [T, 2I]
+        if self.fused is not None:
+            return self.down(self.fused.silu_mul(gate_up.contiguous()))
+        gate, up = gate_up.split(self.inter, dim=-1)  # [T, I] each
         return self.down(F.silu(gate) * up)
 
 

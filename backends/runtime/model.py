@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from .attention import GQAAttention, MLAAttention
 from .config import ModelConfig
-from .cpu_kernels import paged_decode_op
+from .cpu_kernels import cpu_ops
 from .kernels import KernelSettings, Linear
 from .layers import MLP, MoE, RMSNorm
 from .paged import BatchMeta
@@ -37,21 +37,24 @@ class DecoderLayer:
         else:
             self.mlp = MLP(w, f"{p}.mlp", kernels)
         eps = cfg.rms_norm_eps
-        self.input_norm = RMSNorm(w.get(f"{p}.input_layernorm.weight"), eps)
-        self.post_norm = RMSNorm(w.get(f"{p}.post_attention_layernorm.weight"), eps)
+        self.input_norm = RMSNorm(w.get(f"{p}.input_layernorm.weight"), eps, kernels)
+        self.post_norm = RMSNorm(w.get(f"{p}.post_attention_layernorm.weight"), eps, kernels)
 
     def __call__(self, h: torch.Tensor, meta: BatchMeta, kv: torch.Tensor) -> torch.Tensor:
         # h: [T, hidden]
-        h = h + self.attn(self.input_norm(h), meta, kv)
-        return h + self.mlp(self.post_norm(h))
+        h, x = self.post_norm.add(h, self.attn(self.input_norm(h), meta, kv))
+        return h + self.mlp(x)
 
 
 class CausalLM:
     def __init__(self, cfg: ModelConfig, w: WeightReader, device, dtype: torch.dtype):
         self.cfg = cfg
         self.kernels = KernelSettings.from_env()
-        if self.kernels.attention == "auto" and torch.device(device).type == "cpu":
-            paged_decode_op()  # build or load the C++ decode kernel now, not at the first step
+        if torch.device(device).type == "cpu" and "auto" in (
+            self.kernels.attention,
+            self.kernels.fused,
+        ):
+            cpu_ops()  # build or load the C++ kernels now, not at the first step
         self.embed_tokens = w.get("model.embed_tokens.weight")  # [V, hidden]
         if cfg.tie_word_embeddings or not w.has("lm_head.weight"):
             self.lm_head = self.embed_tokens
@@ -61,7 +64,7 @@ class CausalLM:
         self.layers = [
             DecoderLayer(cfg, w, i, self.rope, self.kernels) for i in range(cfg.num_layers)
         ]
-        self.norm = RMSNorm(w.get("model.norm.weight"), cfg.rms_norm_eps)
+        self.norm = RMSNorm(w.get("model.norm.weight"), cfg.rms_norm_eps, self.kernels)
         self._head: tuple[torch.Tensor, Linear] | None = None  # (lm_head it packs, Linear)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -90,6 +90,11 @@ class BatchMeta:
         )
 
     @cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """[B + 1] int64 on the CPU: sequence b's new tokens are flat tokens [cu[b], cu[b+1])."""
+        return torch.tensor([0, *self.lengths]).cumsum(0)
+
+    @cached_property
     def key_valid(self) -> torch.Tensor:
         """Decode batches: [B, L] bool, True where a sequence's one query sees the key."""
         if self.mask is not None:

@@ -87,12 +87,16 @@ class RotaryEmbedding:
         self.max_positions = max_positions
         self._rows: tuple | None = None  # (positions, cos, sin) of the latest forward
 
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos and sin tables, [max_positions, dim/2] each."""
+        return (self.cos32, self.sin32) if self.style == "complex" else (self.cos, self.sin)
+
     def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin at ``positions``: [T, 1, dim/2]. Looked up once per forward: every layer
         passes the same ``positions`` tensor (the batch metadata's)."""
         rows = self._rows
         if rows is None or rows[0] is not positions:
-            cos, sin = (self.cos32, self.sin32) if self.style == "complex" else (self.cos, self.sin)
+            cos, sin = self.tables()
             rows = (positions, cos[positions][:, None, :], sin[positions][:, None, :])
             self._rows = rows  # one tuple assignment: safe for threads sharing the model
         return rows[1], rows[2]

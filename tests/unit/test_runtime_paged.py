@@ -199,5 +199,5 @@ def test_cpu_kernel_build_failure_falls_back_to_sdpa(monkeypatch, tmp_path, capl
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
     meta, q, k_cache, v_cache, _ = cpu_kernel_batch("decode equal", None, False)
     assert cpu_decode_attention(q, k_cache, v_cache, None, meta, D**-0.5) is None
-    assert "C++ paged decode attention unavailable" in caplog.text
+    assert "C++ CPU kernels unavailable" in caplog.text
     assert list(tmp_path.iterdir()) == []  # no half-written library left behind

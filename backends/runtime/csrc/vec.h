@@ -1,0 +1,60 @@
+// Vector helpers shared by the runtime's CPU kernels (cpu_ops.cpp, cpu_fused.cpp).
+#pragma once
+
+#include <cstdint>
+
+namespace pd {
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define PD_MULTIVERSION __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define PD_MULTIVERSION
+#endif
+
+#define PD_INLINE inline __attribute__((always_inline))
+
+// 8 floats as one value (GCC/Clang vector extension): AVX2 registers in the x86-64-v3 clone,
+// SSE pairs in the default one, NEON elsewhere.
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+
+PD_INLINE v8 load8(const float* p) {
+  v8 r;
+  __builtin_memcpy(&r, p, sizeof r);
+  return r;
+}
+
+PD_INLINE void store8(float* p, v8 x) { __builtin_memcpy(p, &x, sizeof x); }
+
+PD_INLINE float sum8(v8 x) {  // pairwise: three dependent adds, not seven
+  typedef float v4 __attribute__((vector_size(16)));
+  const v4 a = __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
+  const float b0 = a[0] + a[2], b1 = a[1] + a[3];
+  return b0 + b1;
+}
+
+// exp(x) for x <= 0 (scores minus their maximum): 2^k * e^r with |r| <= ln2 / 2, e^r by a
+// degree-6 polynomial (relative error ~2e-7, like ATen's vectorized exp); -inf and below
+// -87 give 0.
+PD_INLINE v8 exp8(v8 x) {
+  const v8 lo = v8{} - 87.f;
+  const i8 under = x < lo;
+  x = x < lo ? lo : x;
+  const v8 magic = v8{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  v8 k = (x * 1.44269504088896341f + magic) - magic;
+  v8 r = x - k * 0.693359375f;  // ln2 in two parts, exact product with the first
+  r = r - k * -2.12194440e-4f;
+  v8 p = v8{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const i8 bits = (__builtin_convertvector(k, i8) + 127) << 23;  // 2^k
+  v8 two_k;
+  __builtin_memcpy(&two_k, &bits, sizeof two_k);
+  return under ? v8{} : p * two_k;
+}
+
+}  // namespace pd
