@@ -93,16 +93,6 @@ void check_rows(const at::Tensor& x, const at::Tensor& w, const char* op) {
   TORCH_CHECK(w.scalar_type() == x.scalar_type(), op, ": x and weight dtypes differ");
 }
 
-template <typename F>
-void dispatch_float_types(at::ScalarType t, const char* op, F&& f) {
-  switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    case at::kHalf: f(c10::Half{}); break;
-    default: TORCH_CHECK(false, op, ": unsupported dtype ", t);
-  }
-}
-
 std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x, const at::Tensor* delta,
                                              const at::Tensor& w, double eps, const char* op) {
   check_rows(x, w, op);

@@ -228,12 +228,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
                   sp[b * L + l], " outside [0, ", S, ")");
   }
   auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(2)}, q.options());
-  switch (q.scalar_type()) {
-    case at::kFloat: attend<float>(q, k, v, slots, lo_c, hi_c, scale, out); break;
-    case at::kBFloat16: attend<c10::BFloat16>(q, k, v, slots, lo_c, hi_c, scale, out); break;
-    case at::kHalf: attend<c10::Half>(q, k, v, slots, lo_c, hi_c, scale, out); break;
-    default: TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
-  }
+  dispatch_float_types(q.scalar_type(), "paged_decode", [&](auto tag) {
+    attend<decltype(tag)>(q, k, v, slots, lo_c, hi_c, scale, out);
+  });
   return out;
 }
 

@@ -1,5 +1,11 @@
-// Vector helpers shared by the runtime's CPU kernels (cpu_ops.cpp, cpu_fused.cpp).
+// Helpers shared by the runtime's CPU kernels (cpu_ops.cpp, cpu_fused.cpp, cpu_prefill.cpp):
+// the float dtype dispatch and 8-float vectors.
 #pragma once
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 
@@ -55,6 +61,17 @@ PD_INLINE v8 exp8(v8 x) {
   v8 two_k;
   __builtin_memcpy(&two_k, &bits, sizeof two_k);
   return under ? v8{} : p * two_k;
+}
+
+// f(T{}) for the tensor dtype's C++ type T: float32, bfloat16 or float16 (else a clear error).
+template <typename F>
+void dispatch_float_types(c10::ScalarType t, const char* op, F&& f) {
+  switch (t) {
+    case c10::kFloat: f(float{}); break;
+    case c10::kBFloat16: f(c10::BFloat16{}); break;
+    case c10::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, op, ": unsupported dtype ", t);
+  }
 }
 
 }  // namespace pd
