@@ -7,6 +7,10 @@ torch ops (``torch.ops.pd_runtime``).
 * ``csrc/cpu_fused.cpp``: ``rms_norm``, ``add_rms_norm`` (residual add + norm), ``silu_mul``
   (the gated MLP's activation) and ``rope_write_kv`` (rotary embedding of q and k + the KV
   write): one pass each where torch runs several small ops.
+* ``csrc/cpu_prefill.cpp``: ``prefill_attention``, causal attention of prompts over themselves
+  on the sgemm torch exports;
+* ``csrc/cpu_linear.cpp``: ``linear_small``, linear layers for a few rows (decode), float32 or
+  bfloat16 weights, each weight row read from memory once.
 
 One library, built against the installed torch (its headers and libraries, no other dependency)
 the first time a process asks for it, into a cache directory keyed by the sources, the torch
@@ -38,7 +42,12 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 # the translation units; the cache key also covers the headers they include (all of csrc/)
-SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "cpu_fused.cpp", CSRC / "cpu_prefill.cpp"]
+SOURCES = [
+    CSRC / "cpu_ops.cpp",
+    CSRC / "cpu_fused.cpp",
+    CSRC / "cpu_prefill.cpp",
+    CSRC / "cpu_linear.cpp",
+]
 BUILD_TIMEOUT_S = 300
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ops": the loaded namespace, or False once loading failed

@@ -2,13 +2,21 @@
 
 Three settings, read from the environment when a model loads (``KernelSettings.from_env``):
 
-* ``PD_RUNTIME_LINEAR`` = ``auto`` (default) | ``torch``. ``auto`` pre-packs each float32
-  weight of a CPU model once for oneDNN (``torch.ops.mkldnn``: the weight in oneDNN's blocked
-  layout) and runs ``mkldnn._linear_pointwise``; everywhere else (CUDA, bfloat16 on CPUs
-  without bf16 instructions, a torch without mkldnn) it is ``F.linear``. Measured on the 2-core
-  AVX2 CI machine (SmolLM2 shapes, float32, min of 30): the LM head ``[49152, 576]`` 10.6 ms ->
-  5.7 ms at 1 row and 26 -> 9 ms at 8 rows; gate/up ``[3072, 576]`` 1.18 -> 0.82 ms at 8 rows;
-  equal at 512 rows (prefill). ``torch`` turns packing off.
+* ``PD_RUNTIME_LINEAR`` = ``auto`` (default) | ``torch``. ``auto``: on a float32 or bfloat16
+  CPU model, up to ``SMALL_ROWS`` rows (decode) run the runtime's C++ small-row kernel
+  (``linear_small`` in :mod:`backends.runtime.cpu_kernels`: each weight row streamed from memory
+  once for all the rows, with prefetch; bfloat16 weights widened as they are loaded); more rows
+  (prefill) run torch's ``F.linear`` (MKL's sgemm), in bfloat16 on a CPU without bf16 GEMM
+  instructions on the operands widened to float32 (``slow_bf16_gemm``). Elsewhere ``F.linear``.
+  Measured on the 2-core AVX2 CI machine (SmolLM2's 30 layers of q/k/v, o, gate/up and down
+  projections plus the LM head, distinct cold weights, ms, median of 5-9): float32, small-row
+  kernel / oneDNN with pre-packed weights (what ``auto`` ran before) / ``F.linear``: 1 row
+  18.5 / 23.0 / 37.5; 8 rows 28.6 / 35.2 / 66.4; 32 rows 73.7 / 78.0 / 108.1; 64 rows (layers
+  only) 104.7 / 105.0 / 113.6. At prefill sizes MKL beats the packed weights: 4096 rows 5.48 s
+  / 5.98 s for the 30 layers, 512 rows 0.69 / 0.72 s, so the one plain weight copy serves both.
+  bfloat16, small-row kernel / ``F.linear`` in bf16 / widened: 1 row 12.8 / 15.2 / 39.7; 8 rows
+  26.6 / 109.6 / 81.2; 32 rows 93.0 / 429.0 / 112.8; 512 rows (4 layers) - / 2209 / 287.
+  ``torch``: always ``F.linear``.
 * ``PD_RUNTIME_ATTENTION`` = ``auto`` (default) | ``sdpa`` | ``compiled``: attention.
   ``auto``: on CPU the runtime's C++ kernels (:mod:`backends.runtime.cpu_kernels`): decode
   reads K and V rows in place from the pool (measured at 8 x 512 / 32 x 256 / 1 x 512 on SmolLM2
@@ -79,21 +87,28 @@ def fused_ops(like: torch.Tensor, settings: KernelSettings | None):
     return cpu_ops()
 
 
-def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight [N, K] -> the same weight packed for oneDNN, or None where that does not apply."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+SMALL_ROWS = 64  # up to this many rows the C++ small-row kernel; above, F.linear
+SMALL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def small_linear_op(weight: torch.Tensor, settings: KernelSettings):
+    """``torch.ops.pd_runtime.linear_small`` for ``weight``, or None where F.linear runs: off
+    CPU, not float32 / bfloat16, ``PD_RUNTIME_LINEAR=torch``, no compiler."""
+    if settings.linear != "auto" or weight.device.type != "cpu":
         return None
-    if not torch.backends.mkldnn.is_available():
+    if weight.dtype not in SMALL_DTYPES:
         return None
+    ops = cpu_ops()
+    return None if ops is None else ops.linear_small
+
+
+def slow_bf16_gemm() -> bool:
+    """Whether this CPU lacks bfloat16 GEMM instructions (AVX512-BF16 / AMX), so that torch's
+    bfloat16 matmul runs emulated (7x slower than float32 sgemm at 1024 rows on AVX2)."""
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        probe = torch.linspace(-1, 1, 2 * weight.shape[1]).view(2, -1)
-        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
-    except (RuntimeError, AttributeError):  # op missing, or the CPU lacks the instructions
-        return None
-    if not torch.allclose(got, F.linear(probe, weight), rtol=1e-4, atol=1e-4):
-        return None
-    return packed
+        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):
+        return True
 
 
 class Linear:
@@ -101,13 +116,17 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, settings: KernelSettings):
         self.out_features, self.in_features = weight.shape
-        self.bias = bias
-        self.packed = pack_for_onednn(weight) if settings.linear == "auto" else None
-        self.weight = weight if self.packed is None else None  # the packed copy replaces it
+        self.small = small_linear_op(weight, settings)
+        self.weight = weight.contiguous() if self.small is not None else weight
+        self.bias = bias.contiguous() if bias is not None and self.small is not None else bias
+        # bfloat16 on a CPU without bf16 GEMM: the many-row case widens to float32 (exact for
+        # bf16 inputs; float32 sums as torch's bf16 kernels keep them; one rounding of y)
+        self.widen = self.small is not None and weight.dtype == torch.bfloat16 and slow_bf16_gemm()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(
-            x.contiguous(), self.packed, self.bias, "none", [], ""
-        )
+        if self.small is not None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS:
+            return self.small(x, self.weight, self.bias)
+        if self.widen:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)

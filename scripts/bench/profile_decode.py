@@ -33,7 +33,17 @@ CATEGORIES = [  # (category, substrings of operator names), first match wins
     ("KV write (index_copy_)", ("index_copy",)),
     ("indexing (index, index_put)", ("aten::index", "index_put")),
     ("GEMM: LM head", ("@lm_head",)),
-    ("GEMM: layers", ("aten::mm", "aten::addmm", "aten::bmm", "mkl", "linear_pointwise")),
+    (
+        "GEMM: layers",
+        (
+            "aten::mm",
+            "aten::addmm",
+            "aten::bmm",
+            "mkl",
+            "linear_pointwise",
+            "pd_runtime::linear_small",
+        ),
+    ),
     ("sampling (argmax)", ("argmax",)),
 ]
 OTHER = "elementwise (norm, rope, act, residual, copies)"
@@ -41,7 +51,8 @@ OTHER = "elementwise (norm, rope, act, residual, copies)"
 
 def categorize(name: str, shapes) -> str:
     low = name.lower()
-    if low in ("aten::mm", "aten::addmm") and any(49152 in s for s in shapes if s):
+    gemm = ("aten::mm", "aten::addmm", "pd_runtime::linear_small")
+    if low in gemm and any(49152 in s for s in shapes if s):
         low = "@lm_head"
     for cat, keys in CATEGORIES:
         if any(k.lower() in low for k in keys):

@@ -31,16 +31,18 @@ def test_an_unknown_choice_is_refused(monkeypatch):
 
 
 def test_freed_blocks_are_reused_without_page_faults():
-    """Blocks of a few MiB allocated, written and freed in a loop (a forward's activations) fault
-    their pages in once with the default setting, on every pass with the C library's."""
+    """Blocks of 8 and 48 MiB allocated, written and freed in a loop (a forward's activations; a
+    long prefill's MLP output is 48 MiB) fault their pages in once with the default setting, on
+    every pass with the C library's."""
     code = (
         "import backends.runtime, ctypes, resource\n"
         "libc = ctypes.CDLL(None); libc.malloc.restype = ctypes.c_void_p\n"
         "libc.free.argtypes = [ctypes.c_void_p]\n"
         "def faults(): return resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
         "def rnd():\n"
-        "    ps = [libc.malloc(8 << 20) for _ in range(3)]\n"
-        "    for p in ps: ctypes.memset(p, 1, 8 << 20)\n"
+        "    sizes = (8 << 20, 48 << 20, 8 << 20)\n"
+        "    ps = [libc.malloc(n) for n in sizes]\n"
+        "    for p, n in zip(ps, sizes): ctypes.memset(p, 1, n)\n"
         "    for p in ps: libc.free(p)\n"
         "rnd(); rnd(); before = faults()\n"
         "for _ in range(10): rnd()\n"
@@ -48,7 +50,7 @@ def test_freed_blocks_are_reused_without_page_faults():
     )
     if not sys.platform.startswith("linux"):
         pytest.skip("glibc only")
-    pages = 10 * 3 * (8 << 20) // 4096
+    pages = 10 * (64 << 20) // 4096
     for env, refaults in (({}, False), ({"PD_RUNTIME_MALLOC": "system"}, True)):
         out = subprocess.run(
             [sys.executable, "-c", code],

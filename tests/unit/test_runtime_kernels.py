@@ -1,4 +1,4 @@
-"""Kernel choices: packed linear layers equal F.linear; the settings turn them off; batched
+"""Kernel choices: the small-row linear kernel equals F.linear; the settings turn it off; batched
 prefill (several prompts in one forward, chunked by a token budget) equals one-by-one."""
 
 from __future__ import annotations
@@ -8,34 +8,61 @@ import runtime_models as rm
 import torch
 import torch.nn.functional as F
 
-from backends.runtime.cpu_kernels import paged_decode_op
+from backends.runtime.cpu_kernels import cpu_ops, paged_decode_op
 from backends.runtime.engine import LLMEngine
-from backends.runtime.kernels import KernelSettings, Linear, pack_for_onednn
+from backends.runtime.kernels import SMALL_ROWS, KernelSettings, Linear
 from backends.runtime.runner import ModelRunner
 from backends.runtime.sampler import SamplingParams
 
 
-@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 33, SMALL_ROWS, SMALL_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_f_linear(rows, bias):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_matches_f_linear(rows, bias, dtype):
+    """Row counts that hit every tile shape and remainder of the small-row kernel (and the
+    F.linear side of SMALL_ROWS); 50 outputs and 43 inputs leave tails in both dimensions.
+    bfloat16: within one rounding of the exact result (float32 sums, y rounded once)."""
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(48, 40, generator=g)
-    b = torch.randn(48, generator=g) if bias else None
-    x = torch.randn(rows, 40, generator=g)
+    w = torch.randn(50, 43, generator=g).to(dtype)
+    b = torch.randn(50, generator=g).to(dtype) if bias else None
+    x = torch.randn(rows, 43, generator=g).to(dtype)
     lin = Linear(w, b, KernelSettings())
-    torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(lin(x.t().contiguous().t()), F.linear(x, w, b))  # strided input
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=2**-7)
+    got = lin(x)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), exact, **tol)
+    torch.testing.assert_close(lin(x.t().contiguous().t()), got)
+    wide = torch.randn(rows, 2 * 43, generator=g).to(dtype)
+    wide[:, :43] = x  # rows 86 floats apart (a slice of a wider tensor): read in place
+    torch.testing.assert_close(lin(wide[:, :43]), got)
 
 
 def test_linear_setting_and_fallbacks():
     w = torch.randn(16, 8)
-    assert Linear(w, None, KernelSettings(linear="torch")).packed is None
-    bf16 = Linear(w.bfloat16(), None, KernelSettings())  # packs float32 weights only
-    assert bf16.packed is None and bf16(torch.ones(2, 8, dtype=torch.bfloat16)).shape == (2, 16)
-    if torch.backends.mkldnn.is_available():
-        assert pack_for_onednn(w) is not None
+    assert Linear(w, None, KernelSettings(linear="torch")).small is None
+    half = Linear(w.half(), None, KernelSettings())  # the C++ kernel: float32 and bfloat16
+    assert half.small is None and half(torch.ones(2, 8, dtype=torch.half)).shape == (2, 16)
+    assert Linear(w, None, KernelSettings()).small is not None
+    assert Linear(w.bfloat16(), None, KernelSettings()).small is not None
     with pytest.raises(ValueError, match="PD_RUNTIME_LINEAR"):
         KernelSettings(linear="fast")
+
+
+def test_linear_small_rejects_what_it_cannot_compute():
+    op = cpu_ops().linear_small
+    w = torch.randn(16, 8)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 x and w of one dtype"):
+        op(torch.ones(2, 8, dtype=torch.float64), w.double(), None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 x and w of one dtype"):
+        op(torch.ones(2, 8), w.bfloat16(), None)
+    with pytest.raises(RuntimeError, match="x has 9 features, w 8"):
+        op(torch.ones(2, 9), w, None)
+    with pytest.raises(RuntimeError, match=r"bias must be \[16\] in Float"):
+        op(torch.ones(2, 8), w, torch.ones(15))
+    with pytest.raises(RuntimeError, match="w must be contiguous"):
+        op(torch.ones(2, 16), w.t(), None)
+    assert op(torch.ones(0, 8), w, None).shape == (0, 16)
 
 
 def test_settings_from_env(monkeypatch):

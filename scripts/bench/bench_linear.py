@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Linear layers at decode and prefill row counts: the runtime's C++ small-row kernel against
+oneDNN with pre-packed weights and torch's ``F.linear`` (MKL), on one model's shapes.
+
+Each measurement runs every layer's projections (q/k/v, o, gate/up, down; ``--layers`` distinct
+weights, so they come from memory, not cache, as in a real step) plus the LM head, and reports
+the median of ``--reps`` passes in ms. A path that does not apply at a size prints ``-``.
+
+    OMP_NUM_THREADS=2 taskset -c 0-1 .venv/bin/python scripts/bench/bench_linear.py
+    ... --rows 1 8 32 --dtype bfloat16 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from backends.runtime.cpu_kernels import cpu_ops  # noqa: E402
+from backends.runtime.kernels import SMALL_ROWS  # noqa: E402
+
+# SmolLM2-135M: hidden 576, 9 query and 3 KV heads of 64, MLP 1536, vocabulary 49152
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+HEAD = (49152, 576)
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def paths(dtype: torch.dtype, rows: int) -> dict:
+    """name -> fn(x, w, packed) for the paths that apply at this dtype and row count."""
+    out = {}
+    ops = cpu_ops()
+    if ops is not None and rows <= SMALL_ROWS:
+        out["small-row kernel"] = lambda x, w, p: ops.linear_small(x, w, None)
+    if dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        out["oneDNN packed"] = lambda x, w, p: torch.ops.mkldnn._linear_pointwise(
+            x, p, None, "none", [], ""
+        )
+    out["F.linear"] = lambda x, w, p: F.linear(x, w)
+    if dtype == torch.bfloat16:
+        out["F.linear widened"] = lambda x, w, p: F.linear(x.float(), w.float()).to(dtype)
+    return out
+
+
+def measure(rows: int, dtype: torch.dtype, layers: int, reps: int) -> dict:
+    g = torch.Generator().manual_seed(rows)
+    totals: dict[str, float] = {}
+    for name, (n, k) in [*SHAPES.items(), ("lm_head", HEAD)]:
+        count = 1 if name == "lm_head" else layers
+        ws = [torch.randn(n, k, generator=g).to(dtype) for _ in range(count)]
+        packed = [None] * count
+        if dtype == torch.float32 and torch.backends.mkldnn.is_available():
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws]
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        for path, fn in paths(dtype, rows).items():
+
+            def run(fn=fn, x=x, ws=ws, packed=packed):
+                return [fn(x, w, p) for w, p in zip(ws, packed, strict=True)]
+
+            totals[path] = totals.get(path, 0.0) + median_ms(run, reps)
+    return {"rows": rows, "dtype": str(dtype).split(".")[-1], "layers": layers, "ms": totals}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 8, 32, 64, 512])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--layers", type=int, default=30, help="distinct weights per projection")
+    ap.add_argument("--big-layers", type=int, default=4, help="layers above SMALL_ROWS rows")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    results = []
+    for rows in args.rows:
+        layers = args.layers if rows <= SMALL_ROWS else args.big_layers
+        results.append(measure(rows, dtype, layers, args.reps))
+        print(f"[linear] {json.dumps(results[-1])}", file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps({"threads": torch.get_num_threads(), "results": results}))
+        return 0
+    names = sorted({p for r in results for p in r["ms"]})
+    print(f"| rows ({args.dtype}, layers) | " + " | ".join(names) + " |")
+    print("|---|" + "---:|" * len(names))
+    for r in results:
+        cells = [f"{r['ms'][n]:.1f}" if n in r["ms"] else "-" for n in names]
+        print(f"| {r['rows']} ({r['layers']}) | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
