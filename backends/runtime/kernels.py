@@ -8,14 +8,14 @@ Three settings, read from the environment when a model loads (``KernelSettings.f
   once for all the rows, with prefetch; bfloat16 weights widened as they are loaded); more rows
   (prefill) run torch's ``F.linear`` (MKL's sgemm), in bfloat16 on a CPU without bf16 GEMM
   instructions on the operands widened to float32 (``slow_bf16_gemm``). Elsewhere ``F.linear``.
-  Measured on the 2-core AVX2 CI machine (SmolLM2's 30 layers of q/k/v, o, gate/up and down
-  projections plus the LM head, distinct cold weights, ms, median of 5-9): float32, small-row
-  kernel / oneDNN with pre-packed weights (what ``auto`` ran before) / ``F.linear``: 1 row
-  18.5 / 23.0 / 37.5; 8 rows 28.6 / 35.2 / 66.4; 32 rows 73.7 / 78.0 / 108.1; 64 rows (layers
-  only) 104.7 / 105.0 / 113.6. At prefill sizes MKL beats the packed weights: 4096 rows 5.48 s
-  / 5.98 s for the 30 layers, 512 rows 0.69 / 0.72 s, so the one plain weight copy serves both.
-  bfloat16, small-row kernel / ``F.linear`` in bf16 / widened: 1 row 12.8 / 15.2 / 39.7; 8 rows
-  26.6 / 109.6 / 81.2; 32 rows 93.0 / 429.0 / 112.8; 512 rows (4 layers) - / 2209 / 287.
+  Measured on the 2-core AVX2 CI machine (``scripts/bench/bench_linear.py``: SmolLM2's 30
+  layers of projections with distinct cold weights, + the LM head up to 64 rows, ms): float32,
+  small-row kernel / oneDNN on pre-packed weights (what ``auto`` ran before) / ``F.linear``:
+  1 row 20.3 / 25.1 / 41.9; 8 rows 30.4 / 36.8 / 70.4; 32 rows 74.3 / 77.2 / 106.4; 64 rows
+  135.2 / 134.6 / 156.8. At prefill sizes MKL beats the packed weights (512 rows 680 / 652 ms
+  oneDNN / MKL, 4096 rows 5353 / 4968), so the one plain weight copy serves both. bfloat16,
+  small-row kernel / ``F.linear`` in bf16 / widened: 1 row 13.4 / 15.5 / 41.2; 8 rows 28.0 /
+  109.6 / 77.1; 32 rows 95.2 / 431.8 / 114.8; 512 rows - / 5439 / 667.
   ``torch``: always ``F.linear``.
 * ``PD_RUNTIME_ATTENTION`` = ``auto`` (default) | ``sdpa`` | ``compiled``: attention.
   ``auto``: on CPU the runtime's C++ kernels (:mod:`backends.runtime.cpu_kernels`): decode

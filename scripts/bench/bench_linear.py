@@ -3,8 +3,9 @@
 oneDNN with pre-packed weights and torch's ``F.linear`` (MKL), on one model's shapes.
 
 Each measurement runs every layer's projections (q/k/v, o, gate/up, down; ``--layers`` distinct
-weights, so they come from memory, not cache, as in a real step) plus the LM head, and reports
-the median of ``--reps`` passes in ms. A path that does not apply at a size prints ``-``.
+weights, so they come from memory, not cache, as in a real step), plus the LM head at decode
+sizes (up to ``SMALL_ROWS`` rows; a prefill runs the head on each prompt's last row only), and
+reports the median of ``--reps`` passes in ms. A path that does not apply prints ``-``.
 
     OMP_NUM_THREADS=2 taskset -c 0-1 .venv/bin/python scripts/bench/bench_linear.py
     ... --rows 1 8 32 --dtype bfloat16 --json
@@ -61,7 +62,8 @@ def paths(dtype: torch.dtype, rows: int) -> dict:
 def measure(rows: int, dtype: torch.dtype, layers: int, reps: int) -> dict:
     g = torch.Generator().manual_seed(rows)
     totals: dict[str, float] = {}
-    for name, (n, k) in [*SHAPES.items(), ("lm_head", HEAD)]:
+    shapes = [*SHAPES.items(), ("lm_head", HEAD)] if rows <= SMALL_ROWS else SHAPES.items()
+    for name, (n, k) in shapes:
         count = 1 if name == "lm_head" else layers
         ws = [torch.randn(n, k, generator=g).to(dtype) for _ in range(count)]
         packed = [None] * count
@@ -82,15 +84,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 8, 32, 64, 512])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--layers", type=int, default=30, help="distinct weights per projection")
-    ap.add_argument("--big-layers", type=int, default=4, help="layers above SMALL_ROWS rows")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--big-layers", type=int, default=30, help="layers above SMALL_ROWS rows")
+    ap.add_argument("--reps", type=int, default=5, help="(3 above SMALL_ROWS rows)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     results = []
     for rows in args.rows:
         layers = args.layers if rows <= SMALL_ROWS else args.big_layers
-        results.append(measure(rows, dtype, layers, args.reps))
+        reps = args.reps if rows <= SMALL_ROWS else min(args.reps, 3)
+        results.append(measure(rows, dtype, layers, reps))
         print(f"[linear] {json.dumps(results[-1])}", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps({"threads": torch.get_num_threads(), "results": results}))
