@@ -8,7 +8,12 @@ from dataclasses import dataclass
 
 # an error a client can act on: its message names the cause
 CLEAR_ERRORS = {
-    "transfer": re.compile(r"KV transfer failed: \w"),
+    # decode.py: "KV transfer failed: ...", "... failed after the first token was streamed: ...";
+    # decode_failover.py: "KV transfer failed (why); re-dispatching it failed too: ..."
+    "transfer": re.compile(
+        r"KV transfer failed( after the first token was streamed| \(.+\); re-dispatching it"
+        r" failed too)?: \w"
+    ),
     "overloaded": re.compile(r"overloaded, retry later"),
     "prefill": re.compile(r"prefill (failed|did not run): \w"),
     "instance died": re.compile(

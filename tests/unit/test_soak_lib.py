@@ -1,0 +1,28 @@
+"""The soak's verdict on error messages: every message the stages send for a failed transfer
+counts as clear (a CI soak failed on the first-token form), and a message without a cause does
+not."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+from soak_lib import classify  # noqa: E402
+
+
+def test_every_transfer_failure_form_is_clear():
+    for msg in [
+        "in ensemble 'ensemble', KV transfer failed: prefill 127.0.0.1:1: transfer failed: x",
+        "KV transfer failed after the first token was streamed: prefill 127.0.0.1:32875: "
+        "transfer failed: target layers 0-29 to 127.0.0.1:16862",
+        "KV transfer failed (prefill gone); re-dispatching it failed too: no prefill ready",
+    ]:
+        assert classify(msg) == "transfer", msg
+
+
+def test_other_clear_kinds_and_an_unclear_one():
+    assert classify("server overloaded, retry later") == "overloaded"
+    assert classify("prefill failed: bad ids") == "prefill"
+    assert classify("KV transfer failed") is None  # no cause named
+    assert classify("KV transfer failed after something: ") is None
+    assert classify("internal error") is None
