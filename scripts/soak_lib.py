@@ -15,6 +15,12 @@ CLEAR_ERRORS = {
         r" failed too)?: \w"
     ),
     "overloaded": re.compile(r"overloaded, retry later"),
+    # decode.py / decode_failover.py: a request decode could not register, take or finish
+    "decode": re.compile(
+        r"(registering KV pages with prefill failed|decode could not take the( prefilled)?"
+        r" request|decode failed for this request): \w"
+    ),
+    # after "decode": its "registering ... with prefill failed: ..." contains this one
     "prefill": re.compile(r"prefill (failed|did not run): \w"),
     "instance died": re.compile(
         r"Stub process .* is not healthy|stub process .* (died|exited)", re.I

@@ -23,6 +23,14 @@ def test_every_transfer_failure_form_is_clear():
 def test_other_clear_kinds_and_an_unclear_one():
     assert classify("server overloaded, retry later") == "overloaded"
     assert classify("prefill failed: bad ids") == "prefill"
+    for msg in [
+        "registering KV pages with prefill failed: no prefill server answered in 5s",
+        "decode could not take the prefilled request: prompt too long",
+        "decode could not take the request: no free pages",
+        "decode failed for this request: index out of range",
+    ]:
+        assert classify(msg) == "decode", msg
+    assert classify("decode failed for this request: ") is None
     assert classify("KV transfer failed") is None  # no cause named
     assert classify("KV transfer failed after something: ") is None
     assert classify("internal error") is None
