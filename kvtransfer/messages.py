@@ -161,6 +161,8 @@ class Envelope(msgspec.Struct, frozen=True):
 class MessageError(ValueError):
     """A frame that must be dropped; ``kind``: garbage / version / auth / stale / replay."""
 
+    KINDS = ("garbage", "version", "auth", "stale", "replay")
+
     def __init__(self, kind: str, detail: str):
         super().__init__(f"{kind}: {detail}")
         self.kind = kind

@@ -100,6 +100,10 @@ class SenderInbox:
             if ended[0] == RoomStatus.Failed:
                 self.send(self.router, m.Fail(reg.room, f"room already ended: {ended[1]}"), ident)
             return
+        early = self._ended_early.get(reg.room)
+        if early is not None:  # ended before the stage queued it (an Abort, a refused entry)
+            self.send(self.router, m.Fail(reg.room, f"room already ended: {early}"), ident)
+            return
         self._keep_pending(ident, reg)
 
     def _keep_pending(self, ident: bytes, reg: m.Register) -> None:

@@ -4,8 +4,14 @@ a live prefill (KVSender), a live decode (KVReceiver) and a decode's cancel list
 own process with real Mooncake, while legitimate rooms go through.
 
 Passes when: every process is still alive and answering; every legitimate room arrived byte for
-byte; no byte landed outside a claimed page (decode's other pages are still zero); and each
-process's memory (RSS) grew by less than ``--max-rss-growth-mb``.
+byte; no byte landed outside a claimed page (decode's other pages are still zero); every frame
+that can never be valid (garbage, broken, unsigned, wrongly signed, stale, a wrong frame count)
+was dropped and counted by its target; and each process's memory (RSS) grew by less than
+``--max-rss-growth-mb``.
+
+A frame over a target's size limit makes it disconnect the sender, and zmq then discards whatever
+else that connection had in flight; such frames go over a socket of their own, so the rest of the
+run reaches the target and can be accounted for.
 
     .venv/bin/python scripts/fuzz_control.py --messages 100000        # the full run
     .venv/bin/python scripts/fuzz_control.py --messages 3000 --json   # what CI runs
@@ -27,10 +33,24 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 
 import zmq  # noqa: E402
 from fuzz_messages import Mutator  # noqa: E402
-from kvpeer import PeerProcess  # noqa: E402
+from kvpeer import LAYOUTS, PeerProcess  # noqa: E402
+
+from backends.stages.cancel import MAX_CANCEL_FRAME  # noqa: E402
+from kvtransfer import EntryLayout  # noqa: E402
+from kvtransfer.control import CONTROL_FRAME_BYTES  # noqa: E402
+from kvtransfer.messages import MessageError  # noqa: E402
+from kvtransfer.sender import register_frame_limit  # noqa: E402
 
 SECRET = b"fuzz-control-secret-0123456789ab"
 ENTRIES = {"target": ("gqa", 16, 128)}
+INVALID_KINDS = MessageError.KINDS
+# legitimate rooms use ids that no fuzzed frame names (those pick 1-99, the victims 900-903, or
+# at random): any authenticated peer may end a room that nobody registered yet, by design
+LEGIT_ROOM0 = 10**6
+# the largest frame prefill's bootstrap socket takes (it derives the limit from its pool)
+PREFILL_FRAME_LIMIT = register_frame_limit(
+    {"target": EntryLayout(role="target", page_size=16, num_pages=128, **LAYOUTS["gqa"])}
+)
 
 
 def rss_mb(pid: int) -> float:
@@ -52,34 +72,48 @@ def cancel_listener_main(conn) -> None:
 
 
 class Target:
-    """One attacked endpoint: its sockets, and how fuzzed frames reach it."""
+    """One attacked endpoint: its sockets, and how fuzzed frames reach it. Frames over ``limit``
+    go over ``oversize`` (the target disconnects it); ``must_drop`` counts the frames sent over
+    the other sockets that the target has to drop."""
 
-    def __init__(self, name: str, pid: int, sockets: list[zmq.Socket], multipart: bool):
+    def __init__(self, name, pid, sockets, multipart, limit=CONTROL_FRAME_BYTES, oversize=None):
         self.name, self.pid, self.sockets, self.multipart = name, pid, sockets, multipart
+        self.limit, self.oversize_socket = limit, oversize
         self.rss0 = rss_mb(pid)
-        self.sent = 0
+        self.sent = self.must_drop = self.oversize = 0
 
-    def send(self, rng: random.Random, frame: bytes) -> None:
+    def send(self, rng: random.Random, frame: bytes, must_drop: bool) -> None:
+        self.sent += 1
+        if len(frame) > self.limit:
+            if self.oversize_socket is None:
+                raise ValueError(f"a {len(frame)}-byte frame for {self.name} has no socket")
+            self.oversize_socket.send(frame, zmq.NOBLOCK)
+            self.oversize += 1
+            return
         s = rng.choice(self.sockets)
         if self.multipart and rng.random() < 0.05:
             s.send_multipart([frame, frame])  # a wrong frame count
+            must_drop = True
         else:
             s.send(frame, zmq.NOBLOCK)
-        self.sent += 1
+        self.must_drop += must_drop
 
 
-def legit_room(prefill, decode, room: int) -> bool:
+def legit_room(prefill, decode, room: int) -> str:
+    """One real room through both peers; "" when it arrived byte for byte, else why not."""
     prefill.alloc_pages(room, {"target": 4})
     decode.alloc_pages(room, {"target": 4})
     decode.register(room, [prefill.info["bootstrap_addr"]], 60)
     prefill.start_room(room)
     prefill.run_prefill(room, [("target", 0, 2), ("target", 2, 4)], 0.0, 0.0, 1, None)
-    ok = tuple(decode.wait(room, 60)) == ("Success", "")
-    ok = ok and decode.digest(room, "target", 4) == prefill.digest(room, "target", 4)
+    status = tuple(decode.wait(room, 60))
+    why = "" if status == ("Success", "") else f"decode ended {status}"
+    if not why and decode.digest(room, "target", 4) != prefill.digest(room, "target", 4):
+        why = "its pages differ"
     prefill.wait(room, 30)
-    if ok:  # a failed room's pages were freed by its release already (prefill's always are)
+    if not why:  # a failed room's pages were freed by its release already (prefill's always are)
         decode.free_room(room)
-    return ok
+    return why
 
 
 def fake_prefill(ctx, decode, rooms: list[int]) -> tuple[zmq.Socket, bytes]:
@@ -124,29 +158,44 @@ def run(args) -> dict:
     mut = Mutator(rng, SECRET, decode.call("session_id"), decode.call("base_addr", "target"))
     targets = [
         Target(
-            "prefill", prefill.info["pid"], _dealers(ctx, prefill.info["bootstrap_addr"], 4), True
+            "prefill",
+            prefill.info["pid"],
+            _dealers(ctx, prefill.info["bootstrap_addr"], 4),
+            True,
+            PREFILL_FRAME_LIMIT,
+            _dealers(ctx, prefill.info["bootstrap_addr"], 1)[0],
         ),
         Target("decode", decode.info["pid"], [RouterTo(router, decode_ident)], True),
-        Target("cancel", lis.pid, _pushers(ctx, cancel_addr, 2), False),
+        Target(
+            "cancel",
+            lis.pid,
+            _pushers(ctx, cancel_addr, 2),
+            False,
+            MAX_CANCEL_FRAME,
+            _pushers(ctx, cancel_addr, 1)[0],
+        ),
     ]
     legit, failures, t0 = [], [], time.time()
     try:
         for i in range(args.messages):
             target = targets[i % len(targets)]
-            target.send(rng, mut.frame(target.name, victim_rooms))
+            frame = mut.frame(target.name, victim_rooms)
+            target.send(rng, frame, mut.must_drop(mut.last_kind, frame))
             if i % args.legit_every == 0:
-                room = 1 + len(legit)
+                room = LEGIT_ROOM0 + len(legit)
                 legit.append(room)
-                if not legit_room(prefill, decode, room):
-                    failures.append(f"legit room {room} failed")
+                why = legit_room(prefill, decode, room)
+                if why:
+                    failures.append(f"legit room {room}: {why}")
             if i % 2000 == 0 and args.progress:
                 print(f"[fuzz] {i}/{args.messages} messages", file=sys.stderr, flush=True)
-        time.sleep(2.0)  # let the last frames be processed
-        final = 10**6
+        _settle(targets, prefill, decode, pipe, args.settle_s)
+        final = LEGIT_ROOM0 + len(legit)
         legit.append(final)
-        if not legit_room(prefill, decode, final):
-            failures.append("the last legit room failed")
-        result = _verdict(args, targets, prefill, decode, pipe, legit, failures)
+        why = legit_room(prefill, decode, final)
+        if why:
+            failures.append(f"the last legit room: {why}")
+        result = _verdict(args, targets, prefill, decode, pipe, legit, failures, mut.counts)
     finally:
         ctx.destroy(linger=0)
         prefill.stop()
@@ -182,8 +231,44 @@ def _pushers(ctx, addr: str, n: int) -> list[zmq.Socket]:
     return out
 
 
-def _verdict(args, targets, prefill, decode, pipe, legit, failures) -> dict:
+def _drop_counts(prefill, decode, pipe) -> dict[str, int]:
+    """Frames each target dropped as invalid (prefill and decode count by kind; the cancel
+    listener counts every drop, a well-formed message of the wrong type included)."""
+    pipe.send("stats")
+    return {
+        "prefill": sum(n for k, n in prefill.dropped().items() if k in INVALID_KINDS),
+        "decode": sum(n for k, n in decode.dropped().items() if k in INVALID_KINDS),
+        "cancel": pipe.recv()[1],
+    }
+
+
+def _all_dropped(targets, counts) -> bool:
+    """Prefill and decode dropped exactly the invalid frames (none let through, no valid frame
+    counted as invalid); the cancel listener at least those."""
+    return all(
+        counts[t.name] >= t.must_drop if t.name == "cancel" else counts[t.name] == t.must_drop
+        for t in targets
+    )
+
+
+def _settle(targets, prefill, decode, pipe, limit_s: float) -> None:
+    """Wait until every target has counted its must-drop frames, or its count stopped moving
+    for a second, at most ``limit_s`` (a loaded machine processes the burst late)."""
+    deadline, last, still_since = time.time() + limit_s, None, time.time()
+    while time.time() < deadline:
+        counts = _drop_counts(prefill, decode, pipe)
+        if _all_dropped(targets, counts):
+            return
+        if counts != last:
+            last, still_since = counts, time.time()
+        elif time.time() - still_since > 1.0:
+            return
+        time.sleep(0.1)
+
+
+def _verdict(args, targets, prefill, decode, pipe, legit, failures, kinds) -> dict:
     growth = {t.name: round(rss_mb(t.pid) - t.rss0, 1) for t in targets}
+    counts = _drop_counts(prefill, decode, pipe)
     pipe.send("stats")
     cancels_seen, cancel_dropped = pipe.recv()
     untouched = decode.untouched(legit + list(range(900, 904)))
@@ -191,6 +276,7 @@ def _verdict(args, targets, prefill, decode, pipe, legit, failures) -> dict:
         "all_processes_alive": all(os.path.exists(f"/proc/{t.pid}") for t in targets),
         "legit_rooms_byte_exact": not failures,
         "no_write_outside_claimed_pages": untouched,
+        "invalid_frames_dropped": _all_dropped(targets, counts),
         "memory_bounded": all(g < args.max_rss_growth_mb for g in growth.values()),
     }
     return {
@@ -198,6 +284,10 @@ def _verdict(args, targets, prefill, decode, pipe, legit, failures) -> dict:
         "checks": checks,
         "messages": sum(t.sent for t in targets),
         "per_target": {t.name: t.sent for t in targets},
+        "must_drop": {t.name: t.must_drop for t in targets},
+        "oversize": {t.name: t.oversize for t in targets},
+        "invalid_dropped": counts,
+        "frame_kinds": kinds,
         "legit_rooms": len(legit),
         "failures": failures,
         "rss_growth_mb": growth,
@@ -213,6 +303,9 @@ def main(argv=None) -> int:
     ap.add_argument("--legit-every", type=int, default=2000, help="a legit room every N messages")
     ap.add_argument("--max-rss-growth-mb", type=float, default=256.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--settle-s", type=float, default=30.0, help="longest wait for the last frames' drops"
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-progress", dest="progress", action="store_false")
     args = ap.parse_args(argv)

@@ -32,10 +32,23 @@ class Mutator:
         lay = EntryLayout(role="target", page_size=16, num_pages=128, **LAYOUTS["gqa"])
         self.signature = lay.signature()
         self.counts = dict.fromkeys(KINDS, 0)
+        self.last_kind = ""
+
+    def must_drop(self, kind: str, frame: bytes) -> bool:
+        """Whether a receiver must drop this frame as invalid: every frame of the kinds that are
+        never valid, and a hostile frame whose message breaks the schema (a negative count)."""
+        if kind != "hostile":
+            return True
+        try:
+            m.decode(frame, self.secret)
+        except m.MessageError:
+            return True
+        return False
 
     def frame(self, target: str, victim_rooms: list[int]) -> bytes:
         kind = self.rng.choices(KINDS, WEIGHTS)[0]
         self.counts[kind] += 1
+        self.last_kind = kind
         r = self.rng
         if kind == "garbage":
             return r.randbytes(r.choice([0, 1, 7, 64, 300, 5000]))
@@ -54,10 +67,10 @@ class Mutator:
         how = r.randrange(3)
         if how == 0:
             return bytes(b[: r.randrange(len(b))])
-        if how == 1:
-            for _ in range(r.randint(1, 4)):
-                i = r.randrange(len(b))
-                b[i] ^= 1 << r.randrange(8)
+        if how == 1:  # distinct bits, so two flips never cancel out
+            bits = r.sample(range(8 * len(b)), min(r.randint(1, 4), 8 * len(b)))
+            for bit in bits:
+                b[bit // 8] ^= 1 << (bit % 8)
             return bytes(b)
         return bytes(b) + r.randbytes(r.randint(1, 50))
 

@@ -6,8 +6,9 @@ step already running. Decode's request is running for the whole generation, so i
 then tells the decode instance (its address travels with every decode response) to stop.
 
 The frames are kvtransfer control messages (same versioned envelope, same HMAC with a shared
-secret): one wire protocol for the whole product. Frames that do not decode to a Cancel are
-dropped and counted.
+secret, same freshness window and replay check as the transfer's control plane): one wire
+protocol for the whole product. Frames that do not decode to a fresh Cancel are dropped and
+counted; the first few of each kind are logged, then only at powers of two.
 """
 
 from __future__ import annotations
@@ -28,15 +29,23 @@ MAX_CANCEL_FRAME = 256  # a signed Cancel is ~70 bytes
 class CancelListener:
     """PULL socket on ``host`` (random port); calls ``on_cancel(room)`` on its own thread."""
 
-    def __init__(self, host: str, on_cancel: Callable[[int], None], secret: bytes | None = None):
+    def __init__(
+        self,
+        host: str,
+        on_cancel: Callable[[int], None],
+        secret: bytes | None = None,
+        max_age_s: float = 120.0,
+    ):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_CANCEL_FRAME)
         self.sock.setsockopt(zmq.LINGER, 0)
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.addr = f"{host}:{port}"
-        self.on_cancel, self.secret = on_cancel, secret
+        self.on_cancel = on_cancel
+        self.verifier = m.Verifier(secret, max_age_s)  # used on the listener's thread only
         self.dropped = 0
+        self.dropped_by_kind: dict[str, int] = {}
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="cancel-listener", daemon=True)
         self._thread.start()
@@ -55,16 +64,20 @@ class CancelListener:
 
     def _handle(self, frame: bytes) -> None:
         try:
-            msg = m.decode(frame, self.secret)
+            msg = self.verifier.decode(frame)
         except m.MessageError as e:
-            self.dropped += 1
-            log.warning("cancel channel: dropped a frame (%s)", e)
+            self._drop(e.kind, e)
             return
         if not isinstance(msg, m.Cancel):
-            self.dropped += 1
-            log.warning("cancel channel: dropped a %s", type(msg).__name__)
+            self._drop("unexpected", type(msg).__name__)
             return
         self.on_cancel(msg.room)
+
+    def _drop(self, kind: str, detail: object) -> None:
+        self.dropped += 1
+        n = self.dropped_by_kind[kind] = self.dropped_by_kind.get(kind, 0) + 1
+        if n <= 5 or n & (n - 1) == 0:
+            log.warning("cancel channel: dropped a frame (%s: %s) [%d so far]", kind, detail, n)
 
     def close(self) -> None:
         self._stop = True

@@ -83,7 +83,9 @@ class DecodeWorker(DecodeControl, DecodeFailover):
             {role: p.tensor for role, p in self.pools.items()},  # staged transfers
         )
         # clients cancel through this channel too (see backends/stages/cancel.py)
-        self.cancel_listener = CancelListener(cfg.host, self.cancel, cfg.shared_secret)
+        self.cancel_listener = CancelListener(
+            cfg.host, self.cancel, cfg.shared_secret, cfg.max_message_age_s
+        )
         self.cancel_addr = self.cancel_listener.addr
         self.name = name
         self.trace = TraceWriter(params.trace_dir, name)

@@ -210,3 +210,23 @@ def test_aborts_from_a_peer_that_does_not_own_the_room_change_nothing(pair):
     assert tuple(decode.wait(2, 60)) == ("Success", "")
     assert decode.digest(2, "target", 6) == prefill.digest(2, "target", 6)
     assert decode.untouched([1, 2]) and not attacker.buf.any()
+
+
+def test_a_room_aborted_before_anyone_registered_fails_its_decode_at_once(pair):
+    """An Abort for a room nobody registered yet ends it (a decode that refuses a request
+    before registering says so this way), so a later registration of that room can only fail;
+    its decode hears so at once, not after the 20 s bootstrap timeout."""
+    prefill, decode, attacker = pair
+    s = attacker.connect()
+    s.send(m.encode(m.Abort(3, "hostile"), SECRET))
+    assert [type(a) for a in attacker.answers(s, 2)] == [m.Fail]  # "room not active"
+    prefill.alloc_pages(3, {"target": 6})
+    decode.alloc_pages(3, {"target": 8})
+    decode.register(3, [prefill.info["bootstrap_addr"]], TOKENS)
+    status, reason = decode.wait(3, 5)
+    assert status == "Failed" and "aborted by decode: hostile" in reason, (status, reason)
+    prefill.start_room(3)  # the stage's request for the room fails, its pages come back
+    status, reason = prefill.wait(3, 5)
+    assert status == "Failed" and "aborted by decode: hostile" in reason, (status, reason)
+    legit_room(prefill, decode, 4)
+    assert decode.untouched([4]) and not attacker.buf.any()
