@@ -60,7 +60,7 @@ METRICS = [
     Metric("pd_loop_errors_total", C, "loop_errors",
            "Exceptions caught in a stage's loop threads (the thread went on)"),
     Metric("pd_dropped_frames_total", C, "dropped_total",
-           "Control frames dropped (garbage, unsigned, stale, replayed, hostile, flood)"),
+           "Control and cancel frames dropped (garbage, unsigned, stale, replay, hostile, flood)"),
     # speculative decoding (decode with spec_enabled only)
     Metric("pd_spec_proposed_tokens_total", C, "spec_proposed", "Draft tokens proposed"),
     Metric("pd_spec_accepted_tokens_total", C, "spec_accepted", "Draft tokens the target accepted"),

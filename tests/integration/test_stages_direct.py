@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import zmq
 from runtime_models import checkpoint, hf_greedy, random_prompt
 from stagepeer import Collector, PrefillProcess
 
@@ -13,6 +14,7 @@ from backends.runtime.sampler import SamplingParams
 from backends.stages.decode import DecodeWorker
 from backends.stages.params import StageParams
 from backends.stages.request import StageRequest
+from kvtransfer import messages as m
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -133,4 +135,30 @@ def test_local_prefill_on_the_decode_server_needs_no_prefill_and_equals_transfor
         assert st["local_prefills"] == 2 and st["rooms_ok"] == 0  # no transfer happened
         assert decode.pages_in_use == 0
     finally:
+        decode.close()
+
+
+def test_bad_frames_on_the_cancel_channel_count_as_dropped_frames():
+    """Unsigned and stale Cancels cancel nothing and show in the decode stage's dropped-frame
+    counters (``pd_dropped_frames_total``)."""
+    secret = "cancel-stats-secret-0123456789"
+    decode = DecodeWorker(StageParams(**_params(checkpoint("llama")), shared_secret=secret))
+    ctx = zmq.Context()
+    try:
+        before = decode.stats()["dropped_total"]
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(f"tcp://{decode.cancel_addr}")
+        push.send(m.encode(m.Cancel(5)))
+        push.send(m.encode(m.Cancel(6), secret.encode(), now=time.time() - 3600))
+        deadline = time.time() + 10
+        while time.time() < deadline and decode.stats()["dropped_total"] < before + 2:
+            time.sleep(0.05)
+        stats = decode.stats()
+        assert stats["dropped_total"] == before + 2, stats
+        assert stats["dropped_frames"]["cancel_auth"] == 1, stats
+        assert stats["dropped_frames"]["cancel_stale"] == 1, stats
+        assert stats["cancelled"] == 0
+    finally:
+        ctx.destroy(linger=0)
         decode.close()
