@@ -117,8 +117,8 @@ class ControlLoop:
 
     def drop(self, kind: str, detail: object = "") -> None:
         """Count a dropped frame or message; log the first few of each kind, then rarely."""
-        n = self.dropped[kind] = self.dropped.get(kind, 0) + 1
-        if n <= 5 or n & (n - 1) == 0:
+        if m.count_drop(self.dropped, kind):
+            n = self.dropped[kind]
             log.warning(
                 "%s: dropped a control frame (%s: %s) [%d so far]", self.name, kind, detail, n
             )

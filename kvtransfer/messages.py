@@ -173,6 +173,13 @@ _env_dec = msgspec.msgpack.Decoder(Envelope)
 _msg_dec = msgspec.msgpack.Decoder(Message)
 
 
+def count_drop(counts: dict[str, int], kind: str) -> bool:
+    """Count one dropped frame of ``kind`` in ``counts``; True when it deserves a log line (the
+    first five of each kind, then at powers of two, so a flood cannot flood the log)."""
+    n = counts[kind] = counts.get(kind, 0) + 1
+    return n <= 5 or n & (n - 1) == 0
+
+
 def _mac(secret: bytes, version: int, t: float, payload: bytes) -> bytes:
     return hmac.new(secret, struct.pack(">Hd", version, t) + payload, hashlib.sha256).digest()
 

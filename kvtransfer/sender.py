@@ -40,7 +40,7 @@ from .state import Claim, RoomStatus, SenderRoom
 log = logging.getLogger(__name__)
 
 
-def register_frame_limit(layouts: dict[str, EntryLayout]) -> int:
+def _register_frame_limit(layouts: dict[str, EntryLayout]) -> int:
     """The largest Register a decode can legitimately send to this prefill (all its pages)."""
     return 4096 + sum(512 + 9 * lay.num_pages for lay in layouts.values())
 
@@ -60,7 +60,7 @@ class KVSender(SenderStaging, SenderInbox, ControlLoop):
         self.faults = Faults.from_env()
         if self.faults.active:
             log.warning("kv-sender: FAULT INJECTION active (%s): for tests only", self.faults)
-        limit = config.max_frame_bytes or register_frame_limit(self.layouts)
+        limit = config.max_frame_bytes or _register_frame_limit(self.layouts)
         self.router = self.socket(zmq.ROUTER, limit)
         if config.bootstrap_port:
             self.router.bind(f"tcp://{config.host}:{config.bootstrap_port}")

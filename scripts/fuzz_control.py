@@ -33,13 +33,11 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 
 import zmq  # noqa: E402
 from fuzz_messages import Mutator  # noqa: E402
-from kvpeer import LAYOUTS, PeerProcess  # noqa: E402
+from kvpeer import PeerProcess  # noqa: E402
 
 from backends.stages.cancel import MAX_CANCEL_FRAME  # noqa: E402
-from kvtransfer import EntryLayout  # noqa: E402
 from kvtransfer.control import CONTROL_FRAME_BYTES  # noqa: E402
 from kvtransfer.messages import MessageError  # noqa: E402
-from kvtransfer.sender import register_frame_limit  # noqa: E402
 
 SECRET = b"fuzz-control-secret-0123456789ab"
 ENTRIES = {"target": ("gqa", 16, 128)}
@@ -47,10 +45,6 @@ INVALID_KINDS = MessageError.KINDS
 # legitimate rooms use ids that no fuzzed frame names (those pick 1-99, the victims 900-903, or
 # at random): any authenticated peer may end a room that nobody registered yet, by design
 LEGIT_ROOM0 = 10**6
-# the largest frame prefill's bootstrap socket takes (it derives the limit from its pool)
-PREFILL_FRAME_LIMIT = register_frame_limit(
-    {"target": EntryLayout(role="target", page_size=16, num_pages=128, **LAYOUTS["gqa"])}
-)
 
 
 def rss_mb(pid: int) -> float:
@@ -74,11 +68,14 @@ def cancel_listener_main(conn) -> None:
 class Target:
     """One attacked endpoint: its sockets, and how fuzzed frames reach it. Frames over ``limit``
     go over ``oversize`` (the target disconnects it); ``must_drop`` counts the frames sent over
-    the other sockets that the target has to drop."""
+    the other sockets that the target has to drop. ``exact``: its count of invalid frames must
+    equal ``must_drop`` (else it may be more: the cancel listener counts every drop)."""
 
-    def __init__(self, name, pid, sockets, multipart, limit=CONTROL_FRAME_BYTES, oversize=None):
+    def __init__(
+        self, name, pid, sockets, multipart, limit=CONTROL_FRAME_BYTES, oversize=None, exact=True
+    ):
         self.name, self.pid, self.sockets, self.multipart = name, pid, sockets, multipart
-        self.limit, self.oversize_socket = limit, oversize
+        self.limit, self.oversize_socket, self.exact = limit, oversize, exact
         self.rss0 = rss_mb(pid)
         self.sent = self.must_drop = self.oversize = 0
 
@@ -162,7 +159,7 @@ def run(args) -> dict:
             prefill.info["pid"],
             _dealers(ctx, prefill.info["bootstrap_addr"], 4),
             True,
-            PREFILL_FRAME_LIMIT,
+            prefill.call("frame_limit"),
             _dealers(ctx, prefill.info["bootstrap_addr"], 1)[0],
         ),
         Target("decode", decode.info["pid"], [RouterTo(router, decode_ident)], True),
@@ -173,14 +170,14 @@ def run(args) -> dict:
             False,
             MAX_CANCEL_FRAME,
             _pushers(ctx, cancel_addr, 1)[0],
+            exact=False,
         ),
     ]
     legit, failures, t0 = [], [], time.time()
     try:
         for i in range(args.messages):
             target = targets[i % len(targets)]
-            frame = mut.frame(target.name, victim_rooms)
-            target.send(rng, frame, mut.must_drop(mut.last_kind, frame))
+            target.send(rng, *mut.frame(target.name, victim_rooms))
             if i % args.legit_every == 0:
                 room = LEGIT_ROOM0 + len(legit)
                 legit.append(room)
@@ -231,23 +228,25 @@ def _pushers(ctx, addr: str, n: int) -> list[zmq.Socket]:
     return out
 
 
-def _drop_counts(prefill, decode, pipe) -> dict[str, int]:
+def _drop_counts(prefill, decode, pipe) -> tuple[dict[str, int], int]:
     """Frames each target dropped as invalid (prefill and decode count by kind; the cancel
-    listener counts every drop, a well-formed message of the wrong type included)."""
+    listener counts every drop, a well-formed message of the wrong type included), and the
+    cancels the listener saw."""
     pipe.send("stats")
-    return {
+    cancels_seen, cancel_dropped = pipe.recv()
+    counts = {
         "prefill": sum(n for k, n in prefill.dropped().items() if k in INVALID_KINDS),
         "decode": sum(n for k, n in decode.dropped().items() if k in INVALID_KINDS),
-        "cancel": pipe.recv()[1],
+        "cancel": cancel_dropped,
     }
+    return counts, cancels_seen
 
 
 def _all_dropped(targets, counts) -> bool:
     """Prefill and decode dropped exactly the invalid frames (none let through, no valid frame
     counted as invalid); the cancel listener at least those."""
     return all(
-        counts[t.name] >= t.must_drop if t.name == "cancel" else counts[t.name] == t.must_drop
-        for t in targets
+        counts[t.name] == t.must_drop if t.exact else counts[t.name] >= t.must_drop for t in targets
     )
 
 
@@ -256,7 +255,7 @@ def _settle(targets, prefill, decode, pipe, limit_s: float) -> None:
     for a second, at most ``limit_s`` (a loaded machine processes the burst late)."""
     deadline, last, still_since = time.time() + limit_s, None, time.time()
     while time.time() < deadline:
-        counts = _drop_counts(prefill, decode, pipe)
+        counts = _drop_counts(prefill, decode, pipe)[0]
         if _all_dropped(targets, counts):
             return
         if counts != last:
@@ -268,9 +267,7 @@ def _settle(targets, prefill, decode, pipe, limit_s: float) -> None:
 
 def _verdict(args, targets, prefill, decode, pipe, legit, failures, kinds) -> dict:
     growth = {t.name: round(rss_mb(t.pid) - t.rss0, 1) for t in targets}
-    counts = _drop_counts(prefill, decode, pipe)
-    pipe.send("stats")
-    cancels_seen, cancel_dropped = pipe.recv()
+    counts, cancels_seen = _drop_counts(prefill, decode, pipe)
     untouched = decode.untouched(legit + list(range(900, 904)))
     checks = {
         "all_processes_alive": all(os.path.exists(f"/proc/{t.pid}") for t in targets),
@@ -293,7 +290,7 @@ def _verdict(args, targets, prefill, decode, pipe, legit, failures, kinds) -> di
         "rss_growth_mb": growth,
         "prefill_dropped": prefill.dropped(),
         "decode_dropped": decode.dropped(),
-        "cancel_listener": {"cancels": cancels_seen, "dropped": cancel_dropped},
+        "cancel_listener": {"cancels": cancels_seen, "dropped": counts["cancel"]},
     }
 
 

@@ -32,23 +32,23 @@ class Mutator:
         lay = EntryLayout(role="target", page_size=16, num_pages=128, **LAYOUTS["gqa"])
         self.signature = lay.signature()
         self.counts = dict.fromkeys(KINDS, 0)
-        self.last_kind = ""
 
-    def must_drop(self, kind: str, frame: bytes) -> bool:
-        """Whether a receiver must drop this frame as invalid: every frame of the kinds that are
-        never valid, and a hostile frame whose message breaks the schema (a negative count)."""
+    def frame(self, target: str, victim_rooms: list[int]) -> tuple[bytes, bool]:
+        """One frame for ``target``, and whether a receiver must drop it as invalid: every frame
+        of the kinds that are never valid, and a hostile frame whose message breaks the schema
+        (a negative count)."""
+        kind = self.rng.choices(KINDS, WEIGHTS)[0]
+        self.counts[kind] += 1
+        frame = self._make(kind, target, victim_rooms)
         if kind != "hostile":
-            return True
+            return frame, True
         try:
             m.decode(frame, self.secret)
         except m.MessageError:
-            return True
-        return False
+            return frame, True
+        return frame, False
 
-    def frame(self, target: str, victim_rooms: list[int]) -> bytes:
-        kind = self.rng.choices(KINDS, WEIGHTS)[0]
-        self.counts[kind] += 1
-        self.last_kind = kind
+    def _make(self, kind: str, target: str, victim_rooms: list[int]) -> bytes:
         r = self.rng
         if kind == "garbage":
             return r.randbytes(r.choice([0, 1, 7, 64, 300, 5000]))

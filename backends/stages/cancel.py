@@ -44,7 +44,6 @@ class CancelListener:
         self.addr = f"{host}:{port}"
         self.on_cancel = on_cancel
         self.verifier = m.Verifier(secret, max_age_s)  # used on the listener's thread only
-        self.dropped = 0
         self.dropped_by_kind: dict[str, int] = {}
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="cancel-listener", daemon=True)
@@ -74,10 +73,14 @@ class CancelListener:
         self.on_cancel(msg.room)
 
     def _drop(self, kind: str, detail: object) -> None:
-        self.dropped += 1
-        n = self.dropped_by_kind[kind] = self.dropped_by_kind.get(kind, 0) + 1
-        if n <= 5 or n & (n - 1) == 0:
+        if m.count_drop(self.dropped_by_kind, kind):
+            n = self.dropped_by_kind[kind]
             log.warning("cancel channel: dropped a frame (%s: %s) [%d so far]", kind, detail, n)
+
+    @property
+    def dropped(self) -> int:
+        """Frames dropped, all kinds."""
+        return sum(dict(self.dropped_by_kind).values())
 
     def close(self) -> None:
         self._stop = True

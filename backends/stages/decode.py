@@ -172,11 +172,9 @@ class DecodeWorker(DecodeControl, DecodeFailover):
             snap["quarantined_pages"] = sum(len(p) for r in quarantined for p in r.pages.values())
         snap["loop_errors"] += transfer_errors
         lis = self.cancel_listener  # its drops count with the control plane's
-        snap["dropped_total"] = snap.get("dropped_total", 0) + lis.dropped
-        snap["dropped_frames"] = {
-            **snap.get("dropped_frames", {}),
-            **{f"cancel_{k}": n for k, n in dict(lis.dropped_by_kind).items()},
-        }
+        cancel_drops = {f"cancel_{k}": n for k, n in dict(lis.dropped_by_kind).items()}
+        snap["dropped_frames"].update(cancel_drops)
+        snap["dropped_total"] += sum(cancel_drops.values())
         snap["pages_in_use"] = self.pages_in_use
         snap["num_pages"] = sum(p.num_pages for p in self.pools.values())
         if self.draft is not None:

@@ -150,6 +150,12 @@ class Peer:
     def base_addr(self, role: str) -> int:
         return self.layouts[role].base_addr
 
+    def frame_limit(self) -> int:
+        """The largest frame prefill's bootstrap socket takes (``MAXMSGSIZE``)."""
+        import zmq
+
+        return self.kv.router.getsockopt(zmq.MAXMSGSIZE)
+
     def untouched(self, rooms: list[int]) -> bool:
         """Every byte of every page outside these rooms' pages is still zero (decode side:
         no write landed outside a claimed page)."""
