@@ -7,6 +7,7 @@
 #                    [--draft DIR | --draft-layers K] [--spec-tokens N]
 #                    [--prefill-gpus 0,1] [--decode-gpus 2,3]
 #                    [--role all|prefill|decode] [--prefill-servers HOST:GRPC_PORT[,...]]
+#                    [--openai-port 9000 | --no-openai]
 #                    [--foreground] [--log FILE] [--stop] [--stop-timeout 30] [--no-supervise]
 #
 # tritonserver: the one on PATH (NGC image: /opt/tritonserver/bin), else the binary of the
@@ -34,13 +35,16 @@
 # APIs need the header `pd-admin-key: $(cat .run/admin-key-PORT)` (a random key per start).
 # scripts/supervise.py runs beside the server and reloads a model whose Python stub died
 # (Triton does not restart one); --no-supervise turns that off.
+# Every server that serves the ensemble (roles all and decode) also gets the OpenAI-compatible
+# API (python -m backends.openai: /v1/chat/completions, /v1/completions, /v1/models, /health) on
+# --host:--openai-port (default 9000; its log: .run/openai-HTTP_PORT.log); --no-openai: none.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 HTTP=8000 GRPC=8001 METRICS=8002 FOREGROUND=0 STOP=0 CKPT="" REPO="$ROOT/model_repository"
 HOST=127.0.0.1 SECRET_FILE="" STOP_TIMEOUT="${PD_STOP_TIMEOUT:-30}" SUPERVISE=1
 RUN_DIR="${PD_RUN_DIR:-$ROOT/.run}"
 LOG="" TIMEOUT="${PD_SERVE_TIMEOUT:-300}"
-SETS=() PLACE=() ROLE=all
+SETS=() PLACE=() ROLE=all OPENAI_PORT=9000 OPENAI=1
 die() { echo "serve.sh: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -73,18 +77,20 @@ while [ $# -gt 0 ]; do
     --prefill-gpus|--decode-gpus)
       [[ "${2:-}" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "$1 needs GPU indices like 0,1"
       PLACE+=("$1" "$2"); shift 2 ;;
+    --openai-port) OPENAI_PORT="$2"; shift 2 ;;
+    --no-openai) OPENAI=0; shift ;;
     --foreground) FOREGROUND=1; shift ;;
     --stop) STOP=1; shift ;;
     --stop-timeout) STOP_TIMEOUT="$2"; shift 2 ;;
     --no-supervise) SUPERVISE=0; shift ;;
-    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
 [[ "$STOP_TIMEOUT" =~ ^[0-9]+$ ]] && [ "$STOP_TIMEOUT" -ge 2 ] || die "--stop-timeout needs seconds >= 2"
 mkdir -p "$RUN_DIR"
 PIDFILE="$RUN_DIR/tritonserver-$HTTP.pid" SUPFILE="$RUN_DIR/supervise-$HTTP.pid"
-KEYFILE="$RUN_DIR/admin-key-$HTTP"
+KEYFILE="$RUN_DIR/admin-key-$HTTP" OAIFILE="$RUN_DIR/openai-$HTTP.pid"
 LOG="${LOG:-$RUN_DIR/tritonserver-$HTTP.log}"
 
 # SIGTERM to tritonserver, at most STOP_TIMEOUT s for it to finish, then SIGKILL to whatever is
@@ -103,6 +109,8 @@ stop_server() {
 stop_supervisor() {
   [ -f "$SUPFILE" ] && kill -TERM "$(cat "$SUPFILE")" 2>/dev/null || true
   rm -f "$SUPFILE"
+  [ -f "$OAIFILE" ] && kill -TERM "$(cat "$OAIFILE")" 2>/dev/null || true
+  rm -f "$OAIFILE"
 }
 
 if [ "$STOP" = 1 ]; then
@@ -166,8 +174,29 @@ ARGS=(--model-repository "$REPO" --backend-directory "$BACKEND_DIR"
       --model-control-mode explicit
       --http-restricted-api "$RESTRICTED" --grpc-restricted-protocol "$RESTRICTED" "${LOADS[@]}")
 
+# the OpenAI-compatible front (it exits when tritonserver does); its name for the model is the
+# checkpoint directory's
+start_openai() {
+  [ "$OPENAI" = 1 ] && [ "$ROLE" != prefill ] || return 0
+  local dir name
+  dir="$(sed -n 's/.*key: *"model_dir" *value: *{ *string_value: *"\([^"]*\)".*/\1/p' \
+    "$REPO/preprocess/config.pbtxt" | head -1)"
+  name="$(basename "${dir:-smollm2-135m-instruct}")"
+  setsid "$PY" -m backends.openai --host "$HOST" --port "$OPENAI_PORT" --grpc-url "$HOST:$GRPC" \
+    --model-name "$name" --model-name ensemble --server-pid "$1" \
+    >>"$RUN_DIR/openai-$HTTP.log" 2>&1 </dev/null &
+  echo $! >"$OAIFILE"
+  for _ in $(seq 1 60); do
+    curl -sf "http://$HOST:$OPENAI_PORT/v1/models" >/dev/null 2>&1 && return 0
+    kill -0 "$(cat "$OAIFILE")" 2>/dev/null || break
+    sleep 0.25
+  done
+  echo "[serve] the OpenAI front did not start; see $RUN_DIR/openai-$HTTP.log" >&2
+}
+
 # the watcher that reloads a model whose stub died; it exits when tritonserver does
 start_supervisor() {
+  start_openai "$1"
   [ "$SUPERVISE" = 1 ] || return 0
   setsid "$PY" "$ROOT/scripts/supervise.py" --url "http://$HOST:$HTTP" --pid "$1" \
     --key-file "$KEYFILE" --retire-dir "$PD_RETIRE_DIR" --models "$MODEL_LIST" >>"$2" 2>&1 </dev/null &
@@ -209,6 +238,7 @@ for i in $(seq 1 "$TIMEOUT"); do
     start_supervisor "$PID" "$LOG"
     echo "[serve] HTTP    http://$HOST:$HTTP  (POST /v2/models/ensemble/generate[_stream])"
     echo "[serve] gRPC    $HOST:$GRPC"
+    [ -f "$OAIFILE" ] && echo "[serve] OpenAI  http://$HOST:$OPENAI_PORT/v1  (chat/completions, completions, models)"
     echo "[serve] metrics http://$HOST:$METRICS/metrics"
     echo "[serve] log     $LOG   stop: scripts/serve.sh --stop --http-port $HTTP"
     echo "[serve] admin   header pd-admin-key: \$(cat $KEYFILE)  (model load/unload, shm, trace, logging)"

@@ -34,19 +34,21 @@ from collections.abc import Callable
 
 from kvtransfer import KVReceiver, RoomStatus
 
+from ..runtime.detok import TextState
 from ..runtime.device import resolve_device
 from ..runtime.engine import LLMEngine, StepOutput
 from ..runtime.runner import ModelRunner
 from ..runtime.sequence import check_context
 from ..runtime.spec import DraftSpec, SpecEngine
+from ..runtime.tokenizer import Tokenizer, has_tokenizer
 from . import errors
 from .cancel import CancelListener
 from .decode_control import DecodeControl
 from .decode_failover import LOCAL, DecodeFailover
-from .decode_state import PREFIX_WINDOW, ActiveRequest, DecodeEvent, Emit, Phase
+from .decode_state import ActiveRequest, DecodeEvent, Emit, Phase
 from .draft import DRAFT, explain_failure, load_stage_draft, make_draft_pool, spec_stats
 from .params import StageParams
-from .request import StageRequest
+from .request import StageRequest, first_logprob
 from .trace import TraceWriter
 
 log = logging.getLogger(__name__)
@@ -65,17 +67,20 @@ class DecodeWorker(DecodeControl, DecodeFailover):
         self.runner = runner or ModelRunner.load(
             params.model_path, dtype=params.dtype, device=resolve_device(params.device)
         )
+        # text is detokenized here, where stop strings end a sequence (None: a checkpoint
+        # without a tokenizer, as in some tests: no text, no stop strings)
+        self.tok = Tokenizer(params.model_path) if has_tokenizer(params.model_path) else None
+        self.eos_ids = self.runner.config.eos_token_ids
         self.pool = self.runner.make_pool(params.num_pages, params.page_size)
         self.draft = load_stage_draft(params, self.runner)  # None: speculative decoding off
         self.pools = {"target": self.pool}
+        size = (params.max_batch, params.max_context)
         if self.draft is None:
-            self.engine = LLMEngine(self.runner, self.pool, params.max_batch, params.max_context)
+            self.engine = LLMEngine(self.runner, self.pool, *size, tokenizer=self.tok)
         else:
             self.pools[DRAFT] = make_draft_pool(params, self.draft)
             spec = DraftSpec(self.draft, self.pools[DRAFT], params.spec_tokens)
-            self.engine = SpecEngine(
-                self.runner, self.pool, spec, params.max_batch, params.max_context
-            )
+            self.engine = SpecEngine(self.runner, self.pool, spec, *size, tokenizer=self.tok)
         cfg = params.transfer_config()
         self.receiver = KVReceiver(
             cfg,
@@ -121,6 +126,8 @@ class DecodeWorker(DecodeControl, DecodeFailover):
                 )
         if not req.bootstrap_addr:
             raise ValueError("no prefill bootstrap address")
+        if req.sampling.stop and self.tok is None:
+            raise ValueError("stop strings need a tokenizer: this model directory has none")
 
     def submit(
         self, req: StageRequest, emit: Emit, is_cancelled: Callable[[], bool] | None = None
@@ -128,6 +135,8 @@ class DecodeWorker(DecodeControl, DecodeFailover):
         """Queue a request; raises ValueError (invalid: nothing queued) or errors.Overloaded.
         A room id already in use is refused without touching the request that owns it."""
         r = ActiveRequest(req, emit, is_cancelled)
+        if self.tok is not None:
+            r.text = TextState(self.tok, req.sampling.stop)
         with self._cond:
             if req.room in self._transfers or r.seq_id in self._running or self._queued(req.room):
                 raise ValueError(f"room {req.room} is already in use")
@@ -310,9 +319,9 @@ class DecodeWorker(DecodeControl, DecodeFailover):
                 self._finish(r, error=f"KV transfer failed: {why}")  # no-op when done
                 continue
             try:
-                first, _extra = self.receiver.result(room)
+                first, extra = self.receiver.result(room)
                 self.receiver.forget(room)
-                self._add_prefilled(r, first)
+                self._add_prefilled(r, first, first_logprob(extra, first, r.req.sampling))
             except Exception as e:
                 self._free(r)
                 self._finish(r, error=f"decode could not take the prefilled request: {e}")
@@ -320,11 +329,11 @@ class DecodeWorker(DecodeControl, DecodeFailover):
             r.phase = Phase.RUNNING
             self._running[r.seq_id] = r
 
-    def _add_prefilled(self, r: ActiveRequest, first: int) -> None:
+    def _add_prefilled(self, r: ActiveRequest, first: int, logprob=None) -> None:
         """Hand the request to the engine, which owns (and frees) its pages from then on."""
         self.engine.add_prefilled(
             r.seq_id, r.req.prompt_ids, r.pages["target"], first, r.req.sampling,
-            draft_pages=r.pages.get(DRAFT),
+            draft_pages=r.pages.get(DRAFT), first_logprob=logprob, text=r.text,
         )  # fmt: skip
         r.pages = {}
 
@@ -355,8 +364,9 @@ class DecodeWorker(DecodeControl, DecodeFailover):
                 self._finish(r, error=f"decode failed for this request: {out.errors[seq_id]}")
                 continue
             tokens = out.new_tokens.get(seq_id, [])
+            logprobs = out.logprobs.get(seq_id, [])
             if r.early_first is not None and tokens:  # streamed already, before the KV landed
-                tokens, r.early_first = tokens[1:], None
+                tokens, logprobs, r.early_first = tokens[1:], logprobs[1:], None
                 if not tokens and seq_id not in reasons:
                     continue
             c["tokens"] += len(tokens)
@@ -370,8 +380,9 @@ class DecodeWorker(DecodeControl, DecodeFailover):
             r.t["last_token"] = now
             final = seq_id in reasons
             if r.req.stream and tokens and not final:
-                self._send(r, DecodeEvent(tokens, r.out_ids[-PREFIX_WINDOW:]))
+                self._send(r, self._event(r, tokens, logprobs))
             r.out_ids += tokens
+            r.out_logprobs += logprobs
             if final:
                 del self._running[seq_id]
-                self._finish(r, reason=reasons[seq_id], tokens=tokens)
+                self._finish(r, reason=reasons[seq_id], tokens=tokens, logprobs=logprobs)

@@ -16,7 +16,7 @@ import logging
 import time
 
 from . import errors
-from .decode_state import PREFIX_WINDOW, ActiveRequest, DecodeEvent, Phase, always
+from .decode_state import ActiveRequest, DecodeEvent, Phase, always
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class DecodeControl:
                 self._cancel_one(r)
             return False
 
-    def _finish(self, r, error=None, reason=None, tokens=None, kind=errors.INTERNAL) -> None:
+    def _finish(self, r, error=None, reason=None, tokens=(), logprobs=(), kind=errors.INTERNAL):
         """The request's one final event (no-op when it already ended)."""
         if r.phase == Phase.DONE:
             return
@@ -49,18 +49,36 @@ class DecodeControl:
         r.t["finished"] = time.time()
         if error:
             self.counters["failed"] += 1
-            ev = DecodeEvent([], [], final=True, error=error, error_kind=kind)
+            ev = DecodeEvent(final=True, error=error, error_kind=kind)
         elif r.cancelled:
             self.counters["cancelled"] += 1
-            ev = DecodeEvent([], [], final=True, finish_reason="cancelled")
+            ev = DecodeEvent(final=True, finish_reason="cancelled")
         elif r.req.stream:
-            prefix = r.out_ids[: len(r.out_ids) - len(tokens)][-PREFIX_WINDOW:]
-            ev = DecodeEvent(list(tokens), prefix, final=True, finish_reason=reason)
+            ev = self._event(r, tokens, logprobs, final=True, finish_reason=reason)
         else:
-            ev = DecodeEvent(list(r.out_ids), [], final=True, finish_reason=reason)
+            ev = self._event(r, r.out_ids, r.out_logprobs, final=True, finish_reason=reason)
         self._send(r, ev)
         self.trace.write({"stage": "decode", "room": r.req.room, "error": error,
                           "cancelled": r.cancelled, **r.t, "tokens": len(r.out_ids)})  # fmt: skip
+
+    def _event(self, r: ActiveRequest, tokens, logprobs, final=False, **kw) -> DecodeEvent:
+        """An event with ``tokens`` and the text they add (the prompt's first, with echo)."""
+        text = r.text.take(final) if r.text is not None else ""
+        if r.req.echo and not r.echoed:
+            r.echoed = True
+            text = (self.tok.decode(r.req.prompt_ids) if self.tok else "") + text
+        return DecodeEvent(list(tokens), text, list(logprobs), final=final, **kw)
+
+    def _streams_early(self, r: ActiveRequest, token: int) -> bool:
+        """Whether prefill's first token may go out before the KV landed: only when it cannot
+        be the last one (a stream never ends with an empty extra event) and carries no
+        logprobs (they come with the KV)."""
+        sp = r.req.sampling
+        if not r.req.stream or sp.max_tokens < 2 or sp.logprobs is not None:
+            return False
+        if token in sp.stop_token_ids or (token in self.eos_ids and not sp.ignore_eos):
+            return False
+        return r.text is None or not r.text.update([token])  # a stop string ends it here
 
     def _on_first(self, room: int, token: int) -> None:  # control thread
         with self._cond:
@@ -76,7 +94,9 @@ class DecodeControl:
                     return
                 room, token = self._firsts.popleft()
                 r = self._transfers.get(room)
-            if r is None or r.phase != Phase.TRANSFER or not r.req.stream or r.out_ids:
+            if r is None or r.phase != Phase.TRANSFER or r.out_ids:
+                continue
+            if not self._streams_early(r, token):
                 continue
             now = time.time()
             r.early_first, r.out_ids = token, [token]
@@ -84,7 +104,7 @@ class DecodeControl:
             self.counters["tokens"] += 1
             self.counters["ttft_sum"] += now - r.t["submitted"]
             self.counters["ttft_count"] += 1
-            self._send(r, DecodeEvent([token], []))
+            self._send(r, self._event(r, [token], []))
 
     def _poll_cancelled(self) -> None:
         now = time.monotonic()
@@ -134,4 +154,4 @@ class DecodeControl:
         now = time.monotonic()
         for r in self._all():
             if r.phase != Phase.DONE and now - r.last_event >= HEARTBEAT_S:
-                self._send(r, DecodeEvent([], [], heartbeat=True))
+                self._send(r, DecodeEvent(heartbeat=True))

@@ -118,7 +118,8 @@ class DecodeFailover:
                     return
                 r = self._local.popleft()
             try:
-                self.engine.add_request(r.seq_id, r.req.prompt_ids, r.req.sampling)
+                seq = self.engine.add_request(r.seq_id, r.req.prompt_ids, r.req.sampling)
+                r.text = seq.text  # the engine's detokenizer (a fresh one: nothing streamed yet)
             except Exception as e:  # this request only
                 self._finish(r, error=f"decode could not take the request: {e}")
                 continue

@@ -6,9 +6,9 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..runtime.detok import TextState
+from ..runtime.sampler import TokenLogprob
 from .request import StageRequest
-
-PREFIX_WINDOW = 8  # earlier tokens sent along with new ones, for incremental detokenization
 
 
 class Phase(enum.IntEnum):
@@ -22,8 +22,9 @@ class Phase(enum.IntEnum):
 
 @dataclass
 class DecodeEvent:
-    token_ids: list[int]  # new tokens (all of them when stream=False)
-    prefix_ids: list[int]  # up to PREFIX_WINDOW tokens emitted before token_ids
+    token_ids: list[int] = field(default_factory=list)  # new tokens (all when stream=False)
+    text: str = ""  # the text they add (stop strings cut, held back while one may start)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, when asked for
     final: bool = False
     error: str | None = None
     error_kind: str | None = None  # errors.INVALID / OVERLOADED / INTERNAL
@@ -43,6 +44,9 @@ class ActiveRequest:
     phase: Phase = Phase.WAITING
     cancelled: bool = False
     out_ids: list[int] = field(default_factory=list)
+    out_logprobs: list[TokenLogprob] = field(default_factory=list)
+    text: TextState | None = None  # detokenization + stop strings (None: no tokenizer)
+    echoed: bool = False  # the prompt's text went out (echo)
     t: dict = field(default_factory=dict)  # timestamps for the trace
     last_event: float = 0.0  # time.monotonic() of the last event sent (heartbeats)
     queued_at: float = 0.0  # time.monotonic() when it started waiting for pages

@@ -60,6 +60,11 @@ class StageParams:
         ("preprocess", "decode"),
         "largest `max_tokens` a request may ask for (< `max_context`)",
     )
+    default_max_tokens: int = _p(
+        256,
+        ("preprocess",),
+        "`max_tokens` of a request that gives none (at most `max_tokens_limit`)",
+    )
     lg_enabled: bool = _p(
         _LG.enabled,
         ("prefill",),
@@ -200,7 +205,8 @@ class StageParams:
                 f"parameter transport must be one of {PROTOCOLS}, got {self.transport!r}"
             )
         positive = (
-            "page_size", "num_pages", "max_batch", "max_context", "max_tokens_limit", "max_queue"
+            "page_size", "num_pages", "max_batch", "max_context", "max_tokens_limit", "max_queue",
+            "default_max_tokens",
         )  # fmt: skip
         for name in (*positive, "draft_layers", "spec_tokens", "failover_attempts"):
             if getattr(self, name) < 1:
@@ -211,6 +217,11 @@ class StageParams:
             raise ValueError(
                 f"parameter max_tokens_limit ({self.max_tokens_limit}) must be smaller than"
                 f" max_context ({self.max_context}): a prompt needs at least one token"
+            )
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(
+                f"parameter default_max_tokens ({self.default_max_tokens}) must be at most"
+                f" max_tokens_limit ({self.max_tokens_limit})"
             )
         if self.lg_fixed_group_size < 0:
             raise ValueError("parameter lg_fixed_group_size must be >= 0 (0 = adaptive policy)")

@@ -34,11 +34,11 @@ from kvtransfer import KVSender, RoomStatus
 from ..runtime.device import record_fence, resolve_device
 from ..runtime.kv_pool import KVPool
 from ..runtime.runner import ModelRunner
-from ..runtime.sampler import sample
+from ..runtime.sampler import sample, token_logprobs
 from .draft import DRAFT, copy_prefix_kv, load_stage_draft, make_draft_pool, shares_target_layers
 from .errors import Overloaded
 from .params import StageParams
-from .request import StageRequest
+from .request import StageRequest, logprob_extra
 from .trace import TraceWriter
 
 log = logging.getLogger(__name__)
@@ -284,8 +284,8 @@ class PrefillWorker:
                 with self._cond:
                     self._free(self._room_pages.pop(req.room, {}))
                 raise
-            res.first_token = self._compute(req, pages, None, res.timing)
-            self.sender.finish(req.room, res.first_token)
+            res.first_token, extra = self._compute(req, pages, None, res.timing)
+            self.sender.finish(req.room, res.first_token, extra)
         except Exception as e:
             self._failed(res, e)
         self._trace(res)
@@ -310,8 +310,8 @@ class PrefillWorker:
             self._failed(res, e)
         if started:
             try:
-                res.first_token = self._compute(req, pages, groups, res.timing)
-                self.sender.finish(req.room, res.first_token)
+                res.first_token, extra = self._compute(req, pages, groups, res.timing)
+                self.sender.finish(req.room, res.first_token, extra)
             except Exception as e:
                 self._failed(res, e)
         self._trace(res)
@@ -324,8 +324,9 @@ class PrefillWorker:
         if not isinstance(e, (KeyError, RoomGone)):  # a room id in use is not ours to end
             self.sender.abort(res.room, str(e))  # the release callback frees the pages
 
-    def _compute(self, req: StageRequest, pages: dict, groups: Groups | None, t: dict) -> int:
-        """Target layer groups (each handed to the sender as it is done), first token, draft."""
+    def _compute(self, req: StageRequest, pages: dict, groups: Groups | None, t: dict):
+        """Target layer groups (each handed to the sender as it is done), first token, draft.
+        Returns the first token and the Complete message's extra (its logprobs)."""
         groups = groups or self.policy.groups(len(req.prompt_ids), self.runner.config.num_layers)
         t["groups"] = []
 
@@ -338,8 +339,9 @@ class PrefillWorker:
         logits = self.runner.prefill(
             self.pool, req.prompt_ids, pages["target"], groups=groups, on_group=on_group
         )  # [vocab]
-        gen = req.sampling.make_generator(self.runner.device)
-        first = sample(logits[None], [req.sampling], [gen])[0]
+        sp, gen = req.sampling, req.sampling.make_generator(self.runner.device)
+        first = sample(logits[None], [sp], [gen], histories=[(req.prompt_ids, [])])[0]
+        extra = logprob_extra(token_logprobs(logits[None], [first], [sp])[0])
         t["computed"] = time.time()
         self.sender.first_token(req.room, first)  # decode streams it before the KV lands
         if self.draft is not None:  # the draft's prompt KV: computed here, sent as entry 2
@@ -350,7 +352,7 @@ class PrefillWorker:
             layers = range(self.draft.config.num_layers)
             self.sender.send_group(req.room, DRAFT, layers, self.record_fence())
             t["draft_computed"] = time.time()
-        return first
+        return first, extra
 
     def _trace(self, res: PrefillResult) -> None:
         self.trace.write({"stage": "prefill", "worker": self.name, "room": res.room,

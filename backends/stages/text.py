@@ -1,19 +1,24 @@
-"""Pre- and post-processing cores (no Triton): request validation, tokenization, text deltas.
+"""Pre- and post-processing cores (no Triton): request validation and tokenization; responses.
 
 :class:`Preprocessor` turns one request's client inputs into a :class:`StageRequest` (prompt
 ids, sampling parameters, a random 63-bit bootstrap room) or raises ``ValueError`` naming the
 input. Sampling inputs are found by name: every field of
 :class:`~backends.runtime.sampler.SamplingParams` is read from the client input of the same
-name when present (an optional integer given as a negative number means "none", e.g. seed -1).
+name when present (an optional integer given as a negative number means "none", e.g. seed -1;
+list fields such as ``stop`` take every element of the tensor). The request formats of Triton's
+own OpenAI frontend are accepted too (see :mod:`.compat`).
 
-:class:`Postprocessor` turns decode's token batches into text with :func:`text_delta`, which is
-stateless: decode sends each new token batch with a few earlier tokens, so any postprocess
-instance can serve any response. It also forwards client cancels to decode.
+The prompt is ``input_ids``, else ``messages`` (a JSON chat, rendered with the checkpoint's chat
+template), else ``text_input`` (with ``apply_chat_template``: one user turn).
+
+:class:`Postprocessor` turns decode's :class:`StageResponse` (text already detokenized, stop
+strings cut, in decode) into the client outputs, and forwards client cancels to decode.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from typing import Any
@@ -24,8 +29,9 @@ from ..runtime.sampler import SamplingParams
 from ..runtime.sequence import check_context
 from ..runtime.tokenizer import Tokenizer
 from .cancel import CancelSender
+from .compat import frontend_inputs
 from .params import StageParams
-from .request import StageRequest, new_room
+from .request import StageRequest, StageResponse, new_room
 
 _SAMPLING_TYPES = typing.get_type_hints(SamplingParams)
 
@@ -35,7 +41,10 @@ def scalar(name: str, value: Any) -> Any:
     arr = np.asarray(value)
     if arr.size != 1:
         raise ValueError(f"input {name} must hold exactly one value, got shape {list(arr.shape)}")
-    v = arr.reshape(-1)[0]
+    return _item(arr.reshape(-1)[0])
+
+
+def _item(v: Any) -> Any:
     if isinstance(v, bytes):
         v = v.decode("utf-8", errors="replace")
     return v.item() if isinstance(v, np.generic) else v
@@ -46,12 +55,21 @@ def as_bool(v: Any) -> bool:
 
 
 def _cast(name: str, typ: Any, v: Any) -> Any:
+    if typing.get_origin(typ) is tuple:  # tuple[X, ...]: every element of the input
+        inner = typing.get_args(typ)[0]
+        values = [v] if isinstance(v, (str, bytes)) else np.asarray(v, dtype=object).reshape(-1)
+        return tuple(_cast(name, inner, _item(x)) for x in values)
+    v = scalar(name, v) if isinstance(v, (np.ndarray, list)) else v
     if typ is bool:
         return as_bool(v)
     if typ is float:
         return float(v)
     if typ is int:
+        if isinstance(v, float) and not v.is_integer():
+            raise ValueError(f"input {name} must be an integer, got {v!r}")
         return int(v)
+    if typ is str:
+        return str(v)
     if typing.get_origin(typ) in (typing.Union, types.UnionType):
         inner = [t for t in typing.get_args(typ) if t is not type(None)]
         v = _cast(name, inner[0], v)
@@ -59,13 +77,18 @@ def _cast(name: str, typ: Any, v: Any) -> Any:
     return v
 
 
-def sampling_from(inputs: dict[str, Any]) -> SamplingParams:
+def sampling_from(inputs: dict[str, Any], default_max_tokens: int = 16) -> SamplingParams:
     """SamplingParams from the client inputs that name its fields (others keep defaults)."""
-    values = {
-        f.name: _cast(f.name, _SAMPLING_TYPES[f.name], scalar(f.name, inputs[f.name]))
-        for f in dataclasses.fields(SamplingParams)
-        if inputs.get(f.name) is not None
-    }
+    values = {}
+    for f in dataclasses.fields(SamplingParams):
+        if inputs.get(f.name) is None:
+            continue
+        try:
+            values[f.name] = _cast(f.name, _SAMPLING_TYPES[f.name], inputs[f.name])
+        except (TypeError, ValueError) as e:
+            msg = str(e) if f.name in str(e) else f"input {f.name}: {e}"
+            raise ValueError(msg) from None
+    values.setdefault("max_tokens", default_max_tokens)
     return SamplingParams(**values)
 
 
@@ -83,63 +106,95 @@ class Preprocessor:
             if bad:
                 raise ValueError(f"input_ids {bad[:4]} outside the vocabulary [0, {self.vocab})")
             return ids
+        if inputs.get("messages") is not None:
+            return self.tok.encode_chat(parse_messages(str(scalar("messages", inputs["messages"]))))
         text = inputs.get("text_input")
         text = None if text is None else str(scalar("text_input", text))
         if text is None or not text.strip():
-            raise ValueError("text_input is empty: give a prompt (or input_ids)")
+            raise ValueError("text_input is empty: give a prompt (or input_ids, or messages)")
         chat = inputs.get("apply_chat_template")
         return self.tok.encode(text, chat=chat is not None and as_bool(scalar("chat", chat)))
 
     def build(self, inputs: dict[str, Any]) -> StageRequest:
         """``inputs``: client input name -> value (numpy array or Python value)."""
         p = self.params
-        if inputs.get("max_tokens") is None:
-            raise ValueError("max_tokens is required")
-        max_tokens = int(scalar("max_tokens", inputs["max_tokens"]))
-        if not 1 <= max_tokens <= p.max_tokens_limit:
-            raise ValueError(f"max_tokens must be in [1, {p.max_tokens_limit}], got {max_tokens}")
-        sampling = sampling_from(inputs)
+        inputs = frontend_inputs(inputs)
+        sampling = sampling_from(inputs, p.default_max_tokens)
+        if not 1 <= sampling.max_tokens <= p.max_tokens_limit:
+            raise ValueError(
+                f"max_tokens must be in [1, {p.max_tokens_limit}], got {sampling.max_tokens}"
+            )
+        bad = [t for t in sampling.stop_token_ids if t >= self.vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:4]} outside the vocabulary [0, {self.vocab})")
         ids = self.prompt_ids(inputs)
         check_context(len(ids), sampling.max_tokens, p.max_context)
-        stream = inputs.get("stream")
-        stream = stream is not None and as_bool(scalar("stream", stream))
-        return StageRequest(room=new_room(), prompt_ids=ids, sampling=sampling, stream=stream)
+        flag = {k: inputs.get(k) is not None and as_bool(scalar(k, inputs[k])) for k in FLAGS}
+        return StageRequest(
+            room=new_room(), prompt_ids=ids, sampling=sampling, stream=flag["stream"],
+            echo=flag["echo"],
+        )  # fmt: skip
+
+
+FLAGS = ("stream", "echo")
+
+
+def parse_messages(raw: str) -> list[dict[str, str]]:
+    """A chat as JSON: ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``."""
+    try:
+        msgs = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"input messages is not JSON: {e}") from None
+    if not isinstance(msgs, list) or not msgs:
+        raise ValueError("input messages must be a non-empty JSON list of {role, content}")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or set(m) - {"role", "content", "name"}:
+            raise ValueError(f"messages[{i}] must be an object with role and content")
+        if m.get("role") not in ("system", "user", "assistant"):
+            raise ValueError(f"messages[{i}].role must be system, user or assistant")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}].content must be a string")
+    return [{"role": m["role"], "content": m["content"]} for m in msgs]
 
 
 class Postprocessor:
-    """Decode's token batches -> text; client cancels -> decode (see :mod:`.cancel`)."""
+    """Decode's responses -> client outputs; client cancels -> decode (see :mod:`.cancel`)."""
 
     def __init__(self, params: StageParams, tokenizer: Tokenizer | None = None):
         self.tok = tokenizer or Tokenizer(params.model_path)
         self.cancels = CancelSender(params.secret.encode() or None)
 
-    def text(self, prefix_ids: list[int], new_ids: list[int]) -> str:
-        return text_delta(self.tok, prefix_ids, new_ids)
+    def outputs(self, res: StageResponse) -> dict[str, Any]:
+        """The ensemble's outputs for one decode response (name -> numpy array)."""
+        return {
+            "text_output": np.array([res.text.encode("utf-8")], dtype=np.object_),
+            "output_ids": np.asarray(res.token_ids, dtype=np.int32),
+            "finish_reason": np.array([res.finish_reason.encode()], dtype=np.object_),
+            "num_input_tokens": np.array([res.num_input_tokens], dtype=np.uint32),
+            "num_output_tokens": np.array([len(res.token_ids)], dtype=np.uint32),
+            "logprobs": np.array([self.logprobs_json(res).encode()], dtype=np.object_),
+        }
+
+    def logprobs_json(self, res: StageResponse) -> str:
+        """Per token ``{token id: {logprob, rank, decoded_token}}`` for the chosen token and its
+        top alternatives (the format Triton's OpenAI frontend reads); ``null`` when not asked."""
+        if not res.logprobs:
+            return "null"
+        out = []
+        for lp in res.logprobs:
+            entry = {str(t): {"logprob": v, "rank": i + 1, "decoded_token": self.piece(t)}
+                     for i, (t, v) in enumerate(lp.top)}  # fmt: skip
+            entry[str(lp.token)] = {
+                "logprob": lp.logprob, "rank": lp.rank, "decoded_token": self.piece(lp.token),
+            }  # fmt: skip
+            out.append(entry)
+        return json.dumps(out)
+
+    def piece(self, token: int) -> str:
+        return self.tok.decode([token], skip_special_tokens=False)
 
     def cancel(self, cancel_addr: str, room: int) -> None:
         self.cancels.cancel(cancel_addr, room)
 
     def close(self) -> None:
         self.cancels.close()
-
-
-def _visible(tok: Tokenizer, ids: list[int]) -> str:
-    """Text of ``ids`` without a trailing incomplete UTF-8 sequence (shown as U+FFFD)."""
-    return tok.decode(ids).rstrip("\ufffd")
-
-
-def text_delta(tok: Tokenizer, prefix_ids: list[int], new_ids: list[int]) -> str:
-    """The text ``new_ids`` add after ``prefix_ids`` (held-back partial characters included
-    once they complete; a window prefix is enough)."""
-    if not new_ids:
-        return ""
-    before = _visible(tok, prefix_ids) if prefix_ids else ""
-    after = _visible(tok, prefix_ids + new_ids)
-    if after.startswith(before):
-        return after[len(before) :]
-    common = 0  # detokenization is not always prefix-stable (space clean-up): best effort
-    for a, b in zip(before, after, strict=False):
-        if a != b:
-            break
-        common += 1
-    return after[common:]

@@ -76,41 +76,33 @@ def get(pb, request, name: str):
     return None if t is None else t.as_numpy()
 
 
+def _serialized(pb, request, name: str) -> bytes:
+    arr = get(pb, request, name)
+    if arr is None or arr.size != 1:
+        raise ValueError(f"input {name} must hold one serialized struct")
+    return bytes(arr.reshape(-1)[0])
+
+
+def _bytes_tensor(pb, name: str, data: bytes):
+    return pb.Tensor(name, np.array([data], dtype=np.object_))
+
+
 def stage_request(pb, request) -> rq.StageRequest:
     """The ``REQUEST`` input, decoded and validated (ValueError otherwise)."""
-    arr = get(pb, request, rq.REQUEST_TENSOR)
-    if arr is None or arr.size != 1:
-        raise ValueError(f"input {rq.REQUEST_TENSOR} must hold one serialized request")
-    return rq.decode(bytes(arr.reshape(-1)[0]))
+    return rq.decode(_serialized(pb, request, rq.REQUEST_TENSOR))
 
 
 def request_tensor(pb, req: rq.StageRequest):
-    return pb.Tensor(rq.REQUEST_TENSOR, np.array([rq.encode(req)], dtype=np.object_))
+    return _bytes_tensor(pb, rq.REQUEST_TENSOR, rq.encode(req))
 
 
-def int_list(pb, request, name: str) -> list[int]:
-    arr = get(pb, request, name)
-    return [] if arr is None else [int(x) for x in arr.reshape(-1)]
+def stage_response(pb, request) -> rq.StageResponse:
+    """The ``RESPONSE`` input (decode -> postprocess), decoded (ValueError otherwise)."""
+    return rq.decode_response(_serialized(pb, request, rq.RESPONSE_TENSOR))
 
 
-def text(pb, request, name: str) -> str:
-    arr = get(pb, request, name)
-    if arr is None or arr.size != 1:
-        raise ValueError(f"input {name} must hold exactly one string")
-    v = arr.reshape(-1)[0]
-    return v.decode("utf-8") if isinstance(v, bytes) else str(v)
-
-
-def out_ids(pb, name: str, ids: list[int]):
-    return pb.Tensor(name, np.asarray(ids, dtype=np.int32))
-
-
-def out_text(pb, name: str, s: str):
-    return pb.Tensor(name, np.array([s.encode("utf-8")], dtype=np.object_))
-
-
-def out_int64(pb, name: str, v: int):
-    return pb.Tensor(name, np.array([v], dtype=np.int64))
+def response_tensor(pb, res: rq.StageResponse):
+    return _bytes_tensor(pb, rq.RESPONSE_TENSOR, rq.encode(res))
 
 
 def error_response(pb, message: str, kind: str = errors.INTERNAL):

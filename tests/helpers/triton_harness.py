@@ -38,6 +38,7 @@ class Server:
     metrics_url: str
     trace_dir: str
     log: str
+    openai: str = ""  # base URL of the OpenAI-compatible front (http://host:port/v1)
 
     @property
     def pid(self) -> int:
@@ -59,9 +60,10 @@ def launch(
     cmd += [a for i in instances for a in ("--instances", i)]
     cmd += list(repo_args)
     subprocess.run(cmd, check=True, capture_output=True)
-    ports = [str(free_port()) for _ in range(3)]
+    ports = [str(free_port()) for _ in range(4)]
     serve = [os.path.join(ROOT, "scripts", "serve.sh"), "--model-repo", str(repo)]
     serve += ["--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]]
+    serve += ["--openai-port", ports[3]]
     env = {**os.environ, **(env or {}), "PD_RUN_DIR": str(run)}
     out = subprocess.run(serve, env=env, timeout=400, stdout=subprocess.PIPE, text=True)
     sys.stderr.write(out.stdout)  # its URLs and log path; stdout stays the caller's
@@ -72,6 +74,7 @@ def launch(
         f"http://127.0.0.1:{ports[2]}/metrics",
         str(trace),
         str(run / f"tritonserver-{ports[0]}.log"),
+        f"http://127.0.0.1:{ports[3]}/v1",
     )
     return srv, serve, env
 
@@ -131,6 +134,20 @@ TYPES = {
     "stream": ("BOOL", np.bool_),
     "ignore_eos": ("BOOL", np.bool_),
     "apply_chat_template": ("BOOL", np.bool_),
+    "messages": ("BYTES", np.object_),
+    "presence_penalty": ("FP32", np.float32),
+    "frequency_penalty": ("FP32", np.float32),
+    "repetition_penalty": ("FP32", np.float32),
+    "stop": ("BYTES", np.object_),
+    "stop_words": ("BYTES", np.object_),
+    "stop_token_ids": ("INT32", np.int32),
+    "logprobs": ("INT32", np.int32),
+    "echo": ("BOOL", np.bool_),
+    "exclude_input_in_output": ("BOOL", np.bool_),
+    "sampling_parameters": ("BYTES", np.object_),
+    "return_num_input_tokens": ("BOOL", np.bool_),
+    "return_num_output_tokens": ("BOOL", np.bool_),
+    "return_logprobs": ("BOOL", np.bool_),
 }
 
 
@@ -139,9 +156,9 @@ def grpc_input(name: str, value, dtype: str | None = None, np_dtype=None):
 
     dt, npt = TYPES[name]
     dt, npt = dtype or dt, np_dtype or npt
-    if isinstance(value, str):
-        value = value.encode()
-    arr = np.array(value if isinstance(value, list) else [value], dtype=npt)
+    value = value if isinstance(value, list) else [value]
+    value = [v.encode() if isinstance(v, str) else v for v in value]
+    arr = np.array(value, dtype=npt)
     t = grpcclient.InferInput(name, list(arr.shape), dt)
     t.set_data_from_numpy(arr)
     return t
@@ -190,6 +207,39 @@ class GrpcStream:
     def close(self, cancel: bool = False) -> None:
         self.client.stop_stream(cancel_requests=cancel)
         self.client.close()
+
+
+def outputs_of(result) -> dict:
+    """Every output of one ensemble response, decoded (strings, lists, ints)."""
+    out = {}
+    for o in result.get_response().outputs:
+        arr = result.as_numpy(o.name).reshape(-1)
+        if arr.dtype == np.object_:
+            out[o.name] = arr[0].decode()
+        elif o.name in ("num_input_tokens", "num_output_tokens"):
+            out[o.name] = int(arr[0])
+        else:
+            out[o.name] = arr.tolist()
+    return out
+
+
+def grpc_responses(url: str, fields: dict, timeout: float = 120) -> tuple[list[dict], str | None]:
+    """Every response of one request (outputs_of each), and its error (or None)."""
+    s = GrpcStream(url)
+    try:
+        s.send([grpc_input(k, v) for k, v in fields.items()])
+        responses = []
+        while True:
+            result, error = s.results.get(timeout=timeout)
+            if error is not None:
+                return responses, str(error)
+            final = result.get_response().parameters.get("triton_final_response")
+            if result.get_response().outputs:
+                responses.append(outputs_of(result))
+            if final and final.bool_param:
+                return responses, None
+    finally:
+        s.close()
 
 
 def grpc_ask(url: str, fields: dict, timeout: float = 120):

@@ -2,7 +2,8 @@
 
 Decoupled: ``execute`` only parses and submits; the worker's loop thread answers through each
 request's response sender (one response per step when streaming, one at the end otherwise).
-While a request has nothing to send it gets a heartbeat response (``FLAGS`` = 1, no tokens)
+Each response is one ``RESPONSE`` tensor (backends/stages/request.py: text, token ids, logprobs,
+finish reason). While a request has nothing to send it gets a heartbeat response (no tokens)
 every 0.25 s: Triton ensembles cancel only the steps they schedule after a client cancel, so
 each heartbeat gives postprocess a new step that sees the cancel and tells decode (postprocess
 answers a heartbeat with no response, so the client never sees one).
@@ -20,11 +21,12 @@ import triton_python_backend_utils as pb
 
 from backends.stages import triton_glue as g
 from backends.stages.decode import DecodeEvent, DecodeWorker
+from backends.stages.request import StageResponse
 
 FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-def _emitter(sender, room: int, cancel_addr: str):
+def _emitter(sender, req, cancel_addr: str):
     def emit(ev: DecodeEvent) -> None:
         if ev.error:
             sender.send(g.error_response(pb, ev.error, ev.error_kind), flags=FINAL)
@@ -32,14 +34,13 @@ def _emitter(sender, room: int, cancel_addr: str):
         if ev.finish_reason == "cancelled":
             sender.send(flags=FINAL)
             return
-        outs = [
-            g.out_ids(pb, "OUTPUT_IDS", ev.token_ids),
-            g.out_ids(pb, "PREFIX_IDS", ev.prefix_ids),
-            g.out_int64(pb, "ROOM", room),
-            g.out_text(pb, "CANCEL_ADDR", cancel_addr),
-            g.out_ids(pb, "FLAGS", [int(ev.heartbeat)]),
-        ]
-        sender.send(pb.InferenceResponse(output_tensors=outs), flags=FINAL if ev.final else 0)
+        res = StageResponse(
+            room=req.room, cancel_addr=cancel_addr, heartbeat=ev.heartbeat, text=ev.text,
+            token_ids=ev.token_ids, logprobs=ev.logprobs, num_input_tokens=len(req.prompt_ids),
+            finish_reason=ev.finish_reason or "",
+        )  # fmt: skip
+        response = pb.InferenceResponse(output_tensors=[g.response_tensor(pb, res)])
+        sender.send(response, flags=FINAL if ev.final else 0)
 
     return emit
 
@@ -57,7 +58,7 @@ class TritonPythonModel:
                 sender = request.get_response_sender()
                 try:
                     req = g.stage_request(pb, request)
-                    emit = _emitter(sender, req.room, self.worker.cancel_addr)
+                    emit = _emitter(sender, req, self.worker.cancel_addr)
                     self.worker.submit(req, emit, sender.is_cancelled)
                 except Exception as e:  # invalid (400), overloaded (503) or internal: this one only
                     sender.send(g.exception_response(pb, "decode", e), flags=FINAL)

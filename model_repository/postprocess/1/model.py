@@ -1,7 +1,8 @@
 """Triton adapter of the postprocess stage (core: backends.stages.text.Postprocessor).
 
-Decoupled, so that a decode response can produce no client response at all: a heartbeat
-(``FLAGS`` = 1) or a response of a request the client cancelled gets only the final flag.
+Decoupled, so that a decode response can produce no client response at all: a heartbeat or a
+response of a request the client cancelled gets only the final flag. Decode detokenizes (it
+cuts stop strings); here each ``RESPONSE`` becomes the client outputs (logprobs as JSON).
 Every decode response is a new ensemble step, and only steps scheduled after a client cancel see
 ``is_cancelled()``: here the cancel becomes a Cancel message to the decode instance (whose
 address travels with every decode response), in every phase, streaming or not.
@@ -29,33 +30,35 @@ class TritonPythonModel:
         self.post = Postprocessor(g.stage_params(pb, args, "postprocess"))
         self.retirement = g.Retirement(args["model_instance_name"])
 
-    def _forward_cancel(self, request) -> None:
+    def _forward_cancel(self, res) -> None:
         try:
-            room = int(g.get(pb, request, "ROOM").reshape(-1)[0])
-            self.post.cancel(g.text(pb, request, "CANCEL_ADDR"), room)
+            self.post.cancel(res.cancel_addr, res.room)
         except Exception as e:
             pb.Logger.log_warn(f"postprocess: forwarding a cancel failed: {e}")
 
-    def _respond(self, request):
-        ids = g.int_list(pb, request, "OUTPUT_IDS")
+    def _respond(self, res):
         try:
-            delta = self.post.text(g.int_list(pb, request, "PREFIX_IDS"), ids)
+            outs = [pb.Tensor(k, v) for k, v in self.post.outputs(res).items()]
         except Exception as e:
-            return g.error_response(pb, f"detokenization failed: {e}")
-        outs = [g.out_text(pb, "text_output", delta), g.out_ids(pb, "output_ids", ids)]
+            return g.error_response(pb, f"postprocess failed: {e}")
         return pb.InferenceResponse(output_tensors=outs)
 
     def execute(self, requests):
         with self.retirement:  # a replaced version exits only between batches
             for request in requests:
                 sender = request.get_response_sender()
+                try:
+                    res = g.stage_response(pb, request)
+                except ValueError as e:
+                    sender.send(g.error_response(pb, f"postprocess: {e}"), flags=FINAL)
+                    continue
                 if request.is_cancelled():
-                    self._forward_cancel(request)
+                    self._forward_cancel(res)
                     sender.send(flags=FINAL)
-                elif g.int_list(pb, request, "FLAGS") == [1]:  # a heartbeat: nothing for the client
+                elif res.heartbeat:  # nothing for the client
                     sender.send(flags=FINAL)
                 else:
-                    sender.send(self._respond(request), flags=FINAL)
+                    sender.send(self._respond(res), flags=FINAL)
             return None
 
     def finalize(self):

@@ -1,0 +1,238 @@
+"""The routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions``,
+``POST /v1/completions`` (streaming as server-sent events ending with ``data: [DONE]``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+
+import tritonclient.grpc.aio as aio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from . import protocol as p
+from .errors import APIError
+from .session import Chunk, Session
+
+DISCONNECT_POLL_S = 0.25
+
+
+class Front:
+    def __init__(self, grpc_url: str, names: tuple[str, ...], ensemble: str, max_inflight: int):
+        self.grpc_url, self.names, self.ensemble = grpc_url, names, ensemble
+        self.max_inflight, self.inflight = max_inflight, 0
+        self.created = int(time.time())
+        self.client: aio.InferenceServerClient | None = None
+
+    async def ready(self) -> bool:
+        try:
+            return await self.client.is_server_ready() and await self.client.is_model_ready(
+                self.ensemble
+            )
+        except Exception:
+            return False
+
+    async def run(self, kind: str, req, inputs: dict, http: Request):
+        """Answer one request (JSON, or an SSE stream)."""
+        if self.inflight >= self.max_inflight:
+            raise APIError(503, f"overloaded, retry later: {self.inflight} requests in flight")
+        self.inflight += 1
+        session = Session(self.client, self.ensemble, inputs)
+        chunks = session.chunks()
+        out = Answer(kind, req, self.names[0])
+        try:
+            first = await _watched(anext(chunks), session, http)
+        except BaseException:
+            self.inflight -= 1
+            session.cancel()
+            raise
+        if req.stream:
+            return StreamingResponse(self._sse(out, first, chunks, session),
+                                     media_type="text/event-stream")  # fmt: skip
+        try:
+            out.add(first)
+            while not first.finish_reason:
+                first = await _watched(anext(chunks), session, http)
+                out.add(first)
+            return JSONResponse(out.whole())
+        finally:
+            self.inflight -= 1
+            session.cancel()
+
+    async def _sse(self, out: Answer, first: Chunk, chunks, session: Session):
+        try:
+            if out.kind == "chat":
+                yield _event(out.chunk({"role": "assistant", "content": ""}, None, None))
+            chunk = first
+            while True:
+                event = out.delta(chunk)
+                if event is not None:
+                    yield _event(event)
+                if chunk.finish_reason:
+                    break
+                chunk = await anext(chunks)
+            if out.include_usage:
+                yield _event({**out.head("chunk"), "choices": [], "usage": out.usage()})
+        except APIError as e:
+            yield _event(e.body())
+        finally:
+            self.inflight -= 1
+            session.cancel()  # a client that went away cancels the request on the server
+        yield "data: [DONE]\n\n"
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _watched(awaitable, session: Session, http: Request):
+    """``awaitable``, cancelled (with the request on the server) if the client disconnects."""
+    task = asyncio.ensure_future(awaitable)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await http.is_disconnected():
+            session.cancel()
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            raise APIError(499, "client disconnected")
+
+
+class Answer:
+    """The OpenAI answer built from the ensemble's chunks (chat or completion)."""
+
+    def __init__(self, kind: str, req, model: str):
+        self.kind, self.req, self.model = kind, req, model
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.text, self.ids, self.logprobs = "", [], []
+        self.finish_reason, self.prompt_tokens = None, 0
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.offset = 0
+
+    def add(self, c: Chunk) -> None:
+        self.text += c.text
+        self.ids += c.token_ids
+        self.logprobs += c.logprobs or []
+        self.prompt_tokens = c.num_input_tokens
+        self.finish_reason = c.finish_reason or None
+
+    def usage(self) -> dict:
+        n = len(self.ids)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n,
+                "total_tokens": self.prompt_tokens + n}  # fmt: skip
+
+    def head(self, suffix: str = "") -> dict:
+        obj = {"chat": "chat.completion", "completion": "text_completion"}[self.kind]
+        if suffix and self.kind == "chat":
+            obj += "." + suffix
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(self, delta, logprobs, finish_reason) -> dict:
+        choice = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice.update({"delta": delta} if self.kind == "chat" else {"text": delta})
+        out = {**self.head("chunk"), "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def delta(self, c: Chunk) -> dict | None:
+        self.add(c)
+        lp = self._logprobs(c.token_ids, c.logprobs)
+        if not (c.text or c.finish_reason or lp):
+            return None
+        delta = {"content": c.text} if self.kind == "chat" else c.text
+        return self.chunk(delta, lp, c.finish_reason or None)
+
+    def whole(self) -> dict:
+        lp = self._logprobs(self.ids, self.logprobs)
+        choice = {"index": 0, "logprobs": lp, "finish_reason": self.finish_reason}
+        if self.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": self.text}
+        else:
+            choice["text"] = self.text
+        return {**self.head(), "choices": [choice], "usage": self.usage()}
+
+    def _logprobs(self, ids: list[int], entries: list[dict] | None) -> dict | None:
+        if not entries:
+            return None
+        n = self.req.top_logprobs or 0 if self.kind == "chat" else self.req.logprobs
+        rows = []
+        for token, entry in zip(ids, entries, strict=True):
+            chosen = entry[str(token)]
+            top = sorted(entry.values(), key=lambda e: e["rank"])[:n]
+            rows.append((chosen, top))
+        if self.kind == "chat":
+            return {"content": [
+                {**_lp(c), "top_logprobs": [_lp(t) for t in top]} for c, top in rows
+            ]}  # fmt: skip
+        offsets = []
+        for c, _ in rows:
+            offsets.append(self.offset)
+            self.offset += len(c["decoded_token"])
+        return {
+            "tokens": [c["decoded_token"] for c, _ in rows],
+            "token_logprobs": [c["logprob"] for c, _ in rows],
+            "top_logprobs": [{t["decoded_token"]: t["logprob"] for t in top} for _, top in rows],
+            "text_offset": offsets,
+        }
+
+
+def _lp(e: dict) -> dict:
+    tok = e["decoded_token"]
+    return {"token": tok, "logprob": e["logprob"], "bytes": list(tok.encode("utf-8"))}
+
+
+def create_app(
+    grpc_url: str, names: tuple[str, ...], ensemble: str = "ensemble", max_inflight: int = 4096
+) -> FastAPI:
+    front = Front(grpc_url, names, ensemble, max_inflight)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        front.client = aio.InferenceServerClient(grpc_url)
+        yield
+        await front.client.close()
+
+    app = FastAPI(title="pd-triton OpenAI-compatible API", lifespan=lifespan)
+    app.state.front = front
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request, e: APIError):
+        return e.response()
+
+    @app.get("/health")
+    async def health():
+        ok = await front.ready()
+        return JSONResponse({"status": "ok" if ok else "not ready"}, 200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        data = [{"id": n, "object": "model", "created": front.created, "owned_by": "pd-triton"}
+                for n in names]  # fmt: skip
+        return {"object": "list", "data": data}
+
+    async def body(http: Request) -> dict:
+        try:
+            return await http.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not JSON: {e}") from None
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: Request):
+        req = p.parse(p.ChatRequest, await body(http))
+        p.check_model(req.model, names)
+        return await front.run("chat", req, p.chat_inputs(req), http)
+
+    @app.post("/v1/completions")
+    async def completions(http: Request):
+        req = p.parse(p.CompletionRequest, await body(http))
+        p.check_model(req.model, names)
+        return await front.run("completion", req, p.completion_inputs(req), http)
+
+    return app
