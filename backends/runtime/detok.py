@@ -56,8 +56,11 @@ class TextState:
         """Consume ``output_ids[self.consumed:]``; True once a stop string matched (sticky)."""
         if self.stopped or len(output_ids) <= len(self.ids):
             return self.stopped
-        self.ids.extend(output_ids[len(self.ids) :])
-        self._advance(final=False)
+        for token in output_ids[len(self.ids) :]:  # one at a time: stops at token granularity
+            self.ids.append(token)
+            self._advance(final=False)
+            if self.stopped:
+                break
         return self.stopped
 
     def _advance(self, final: bool) -> None:
