@@ -11,7 +11,12 @@ Each :meth:`LLMEngine.step`:
 2. decodes every sequence that was already running, as ONE batched forward (one token each).
 
 Every output token is reported by exactly one step. A sequence finishes on EOS (unless
-``ignore_eos``) or ``max_tokens``; its pages are freed exactly once (also on :meth:`abort`).
+``ignore_eos``), one of its ``stop_token_ids``, a stop string (engine with a tokenizer: every
+sequence then has a :class:`~backends.runtime.detok.TextState`) or ``max_tokens``; its pages
+are freed exactly once (also on :meth:`abort`). Sampling applies the request's penalties from
+its (prompt, output) history; a request with ``logprobs`` gets one
+:class:`~backends.runtime.sampler.TokenLogprob` per output token (``Sequence.logprobs``, and
+``StepOutput.logprobs`` aligned with ``new_tokens``).
 A sequence whose prefill, forward or sampling fails ends with ``FinishReason.ERROR`` and its
 message in ``StepOutput.errors``; the other sequences of the step go on (a failed batched
 forward is retried one sequence at a time to find the one that fails).
@@ -30,9 +35,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .detok import TextState
 from .kv_pool import KVPool
 from .runner import ModelRunner, SeqInput
-from .sampler import SamplingParams, sample
+from .sampler import SamplingParams, TokenLogprob, sample, token_logprobs
 from .sequence import FinishReason, SeqStatus, Sequence, check_context
 
 log = logging.getLogger(__name__)
@@ -43,6 +49,15 @@ class StepOutput:
     new_tokens: dict[str, list[int]] = field(default_factory=dict)  # seq_id -> tokens this step
     finished: list[Sequence] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)  # seq_id -> why it failed this step
+    # seq_id -> one per token of new_tokens[seq_id] (only sequences whose params.logprobs is set)
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+
+
+def histories(seqs: list[Sequence]) -> list[tuple[list[int], list[int]]] | None:
+    """Per sequence (prompt_ids, output_ids) for the penalties; None when none has any."""
+    if not any(s.params.has_penalties for s in seqs):
+        return None
+    return [(s.prompt_ids, s.output_ids) for s in seqs]
 
 
 class LLMEngine:
@@ -53,6 +68,7 @@ class LLMEngine:
         max_batch: int = 16,
         max_context: int | None = None,
         prefill_tokens: int = 4096,
+        tokenizer=None,
     ):
         if not isinstance(max_batch, int) or max_batch <= 0:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
@@ -69,6 +85,7 @@ class LLMEngine:
         self.max_batch, self.max_context = max_batch, max_context
         self.prefill_tokens = prefill_tokens  # prompt tokens per batched prefill forward
         self.eos_ids = runner.config.eos_token_ids
+        self.tokenizer = tokenizer  # backends.runtime.tokenizer.Tokenizer: text + stop strings
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}
@@ -86,6 +103,10 @@ class LLMEngine:
         vocab = self.runner.config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids has ids outside the vocabulary [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the engine's tokenizer")
         check_context(len(prompt_ids), params.max_tokens, self.max_context)
         need = self.pool.pages_needed(len(prompt_ids) + params.max_tokens - 1)
         if need > self.pool.num_pages:
@@ -98,6 +119,7 @@ class LLMEngine:
         self._validate(seq_id, prompt_ids, params)
         seq = Sequence(seq_id, list(prompt_ids), params)
         seq.generator = params.make_generator(self.runner.device)
+        seq.text = self._text_state(params)
         self.seqs[seq_id] = seq
         self.waiting.append(seq)
         return seq
@@ -110,14 +132,21 @@ class LLMEngine:
         first_token: int,
         params: SamplingParams,
         draft_pages: list[int] | None = None,
+        first_logprob: TokenLogprob | None = None,
+        text: TextState | None = None,
     ) -> Sequence:
         """Queue a sequence whose prompt KV is already in ``pages`` of this pool.
 
         The engine takes ownership of ``pages`` (allocated from this pool by the caller) and
-        frees them when the sequence ends. ``first_token`` was sampled by the prefill side.
-        ``draft_pages``: the prompt's draft KV, for an engine with a draft model (SpecEngine).
+        frees them when the sequence ends. ``first_token`` was sampled by the prefill side, and
+        so was ``first_logprob`` (required when ``params.logprobs`` is set). ``text``: the
+        sequence's TextState when the caller already fed it the first token (streamed early);
+        by default a fresh one (engine with a tokenizer). ``draft_pages``: the prompt's draft
+        KV, for an engine with a draft model (SpecEngine).
         """
         self._validate(seq_id, prompt_ids, params)
+        if params.logprobs is not None and first_logprob is None:
+            raise ValueError("first_logprob is required when params.logprobs is set")
         self.pool.check_holds(len(prompt_ids), pages)
         self._check_draft_pages(len(prompt_ids), draft_pages)
         if not 0 <= first_token < self.runner.config.vocab_size:
@@ -125,10 +154,16 @@ class LLMEngine:
         seq = Sequence(seq_id, list(prompt_ids), params, pages=list(pages), prefilled=True)
         seq.generator = params.make_generator(self.runner.device)
         seq.output_ids.append(first_token)
+        if params.logprobs is not None:
+            seq.logprobs.append(first_logprob)  # reported with the first token at admission
+        seq.text = text if text is not None else self._text_state(params)
         self._adopt_draft_pages(seq, draft_pages)
         self.seqs[seq_id] = seq
         self.waiting.append(seq)
         return seq
+
+    def _text_state(self, params: SamplingParams) -> TextState | None:
+        return None if self.tokenizer is None else TextState(self.tokenizer, params.stop)
 
     def _check_draft_pages(self, prompt_tokens: int, draft_pages: list[int] | None) -> None:
         if draft_pages is not None:
@@ -170,9 +205,14 @@ class LLMEngine:
         out.finished.append(seq)
         out.errors[seq.seq_id] = error
 
-    def _emit(self, seq: Sequence, token: int, out: StepOutput) -> None:
+    def _emit(
+        self, seq: Sequence, token: int, out: StepOutput, logprob: TokenLogprob | None = None
+    ) -> None:
         done = seq.append(token, self.eos_ids)
         out.new_tokens.setdefault(seq.seq_id, []).append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+            out.logprobs.setdefault(seq.seq_id, []).append(logprob)
         if done:
             if seq in self.running:
                 self.running.remove(seq)
@@ -226,12 +266,15 @@ class LLMEngine:
         """One token per sequence from its logits row; a sequence whose sampling fails ends with
         that error, the others go on."""
         errors: dict[int, str] = {}
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], errors)
+        params = [s.params for s in seqs]
+        hist = histories(seqs)
+        tokens = sample(logits, params, [s.generator for s in seqs], errors, hist)
+        lps = token_logprobs(logits, tokens, params)
         for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             if token is None:
                 self._fail_seq(seq, f"sampling failed: {errors[i]}", out)
             else:
-                self._emit(seq, token, out)
+                self._emit(seq, token, out, lps[i])
 
     def _isolated(self, run, what: str, seqs: list[Sequence], out: StepOutput) -> None:
         """``run(seqs, out)``; when the batch fails, run it again one sequence at a time (those
@@ -258,7 +301,8 @@ class LLMEngine:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             if seq.prefilled:  # the first token came with the KV: report it, check stops
-                self._emit(seq, seq.output_ids.pop(), out)
+                lp = seq.logprobs.pop() if seq.logprobs else None
+                self._emit(seq, seq.output_ids.pop(), out, lp)
                 continue
             fresh.append(seq)
         for chunk in self._prefill_chunks(fresh):

@@ -7,7 +7,8 @@ from enum import IntEnum
 
 import torch
 
-from .sampler import SamplingParams
+from .detok import TextState
+from .sampler import SamplingParams, TokenLogprob
 
 
 def check_context(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
@@ -28,7 +29,7 @@ class SeqStatus(IntEnum):
 
 
 class FinishReason:
-    STOP = "stop"  # sampled an EOS token
+    STOP = "stop"  # an EOS token, one of stop_token_ids, or a stop string
     LENGTH = "length"  # reached max_tokens
     ABORT = "abort"
     ERROR = "error"  # this sequence failed (the step's other sequences go on)
@@ -45,6 +46,8 @@ class Sequence:
     finish_reason: str | None = None
     prefilled: bool = False  # prompt KV already in ``pages`` (disaggregated decode)
     generator: torch.Generator | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if asked
+    text: TextState | None = None  # incremental text + stop strings (engine with a tokenizer)
     # speculative decoding (backends.runtime.spec): the draft model's pages and KV progress
     draft_pages: list[int] = field(default_factory=list)
     draft_len: int = 0  # positions [0, draft_len) hold valid draft KV
@@ -66,10 +69,17 @@ class Sequence:
         return self.status == SeqStatus.FINISHED
 
     def append(self, token: int, eos_ids: tuple[int, ...]) -> bool:
-        """Add a sampled token; returns True when the sequence is now done."""
+        """Add a sampled token; returns True when the sequence is now done.
+
+        Finish order: EOS (unless ignore_eos), ``stop_token_ids`` (even with ignore_eos), a stop
+        string in the text (only then does ``text`` see the token: as in vLLM, a stop token's
+        text is not shown), ``max_tokens``."""
         self.output_ids.append(token)
-        if not self.params.ignore_eos and token in eos_ids:
+        p = self.params
+        if (not p.ignore_eos and token in eos_ids) or token in p.stop_token_ids:
             self.finish_reason = FinishReason.STOP
-        elif len(self.output_ids) >= self.params.max_tokens:
+        elif self.text is not None and self.text.update(self.output_ids):
+            self.finish_reason = FinishReason.STOP
+        elif len(self.output_ids) >= p.max_tokens:
             self.finish_reason = FinishReason.LENGTH
         return self.finish_reason is not None

@@ -16,6 +16,14 @@ running sequence by one to ``k + 1`` tokens:
    bonus from ``p``), with temperature / top-k / top-p applied identically to ``p`` and ``q``
    and every random draw taken from the request's seeded generator.
 
+Penalties, stop strings, stop_token_ids and logprobs give exactly what the plain engine gives:
+the target's logits at verify position ``j`` are penalised with the history ``output_ids +
+drafts[:j]`` (greedy compares the drafts with their argmax; rejection sampling uses the
+penalised ``p``), and the draft penalises its own proposals the same way, so ``q`` is the
+distribution it drew from. Accepted tokens go through ``Sequence.append`` one at a time, so the
+stop rules (and the sequence's TextState) see exactly the emitted tokens. An emitted token's
+logprob is taken from the verify forward's raw target logits at its position.
+
 Rejected positions are rolled back by length only: their KV stays in the pages as stale data
 that the next write overwrites. ``k`` is clamped per sequence to ``max_tokens - emitted - 1``, so
 no write goes past ``prompt + max_tokens - 1`` KV slots: the page reservation of the plain engine
@@ -42,7 +50,7 @@ import torch
 from .engine import LLMEngine, StepOutput
 from .kv_pool import KVPool
 from .runner import ModelRunner, SeqInput
-from .sampler import SamplingParams, _filter, scaled
+from .sampler import SamplingParams, TokenLogprob, _filter, penalize, scaled, token_logprobs
 from .sequence import Sequence
 
 # ---- draft models ------------------------------------------------------------------------------
@@ -167,6 +175,45 @@ def accept_sampled(
     return out, len(drafts)
 
 
+def _penalised_rows(
+    seqs: list[Sequence], logits: list[torch.Tensor], drafts: list[list[int]]
+) -> list[torch.Tensor]:
+    """Per sequence i, ``logits[i]`` [n_i, V] with its penalties applied; its rows score the
+    tokens after the last n_i prefixes of ``d = drafts[i]``, so row j's history is
+    ``output_ids + d[:len(d) + 1 - n_i + j]`` (verify: n_i = len(d) + 1, row j after d[:j];
+    a draft step: n_i = 1, after all of d). One :func:`penalize` over all rows; the logits
+    come back unchanged (no copy) when no sequence has penalties."""
+    if not any(s.params.has_penalties for s in seqs):
+        return logits
+    params, hist = [], []
+    for s, lg, d in zip(seqs, logits, drafts, strict=True):
+        params += [s.params] * len(lg)
+        base = len(d) + 1 - len(lg)
+        hist += [(s.prompt_ids, s.output_ids + d[: base + j]) for j in range(len(lg))]
+    rows = penalize(torch.cat(logits), params, hist)
+    return list(rows.split([len(lg) for lg in logits]))
+
+
+def _emitted_logprobs(
+    seqs: list[Sequence], logits: list[torch.Tensor], done: list[tuple[int, list[int], int]]
+) -> list[list[TokenLogprob | None] | None]:
+    """Per accepted run (index i, emitted tokens, _), the emitted tokens' logprobs from the raw
+    verify logits ``logits[i][j]`` (None for a sequence that did not ask); one
+    :func:`token_logprobs` over all of them."""
+    want = [(i, t) for i, t, _ in done if seqs[i].params.logprobs is not None]
+    if not want:
+        return [None] * len(done)
+    rows = torch.cat([logits[i][: len(t)] for i, t in want])
+    flat = token_logprobs(
+        rows, [x for _, t in want for x in t], [seqs[i].params for i, t in want for _ in t]
+    )
+    per: dict[int, list[TokenLogprob | None]] = {}
+    at = 0
+    for i, t in want:
+        per[i], at = flat[at : at + len(t)], at + len(t)
+    return [per.get(i) for i, _, _ in done]
+
+
 # ---- engine ------------------------------------------------------------------------------------
 
 
@@ -180,6 +227,7 @@ class SpecEngine(LLMEngine):
         draft: DraftSpec,
         max_batch: int = 16,
         max_context: int | None = None,
+        tokenizer=None,
     ):
         check_compatible(runner, draft.runner)
         limit = min(
@@ -192,7 +240,7 @@ class SpecEngine(LLMEngine):
                 f"max_context {max_context} exceeds the draft or target max_position_embeddings "
                 f"({limit})"
             )
-        super().__init__(runner, pool, max_batch, max_context)
+        super().__init__(runner, pool, max_batch, max_context, tokenizer=tokenizer)
         self.draft = draft
         self.stats = SpecStats()
 
@@ -267,7 +315,10 @@ class SpecEngine(LLMEngine):
         j = 0
         while active:
             logits = self.draft.runner.forward(self.draft.pool, inputs, last_only=True)
-            for i, row in zip(active, logits, strict=True):
+            rows = _penalised_rows(
+                [seqs[i] for i in active], [lg[-1:] for lg in logits], [drafts[i] for i in active]
+            )
+            for i, row in zip(active, rows, strict=True):
                 drafts[i].append(self._propose_one(seqs[i], row[-1], qs[i]))
             j += 1
             active = [i for i in active if ks[i] > j]
@@ -296,7 +347,9 @@ class SpecEngine(LLMEngine):
             for s, d in zip(decoding, drafts, strict=True)
         ]
         logits = self.runner.forward(self.pool, inputs)  # per seq [k_i + 1, V]
-        for seq, lg, d, q in zip(decoding, logits, drafts, qs, strict=True):
+        penalised = _penalised_rows(decoding, logits, drafts)
+        done: list[tuple[int, list[int], int]] = []  # (index in decoding, emitted, accepted)
+        for i, (seq, lg, d, q) in enumerate(zip(decoding, penalised, drafts, qs, strict=True)):
             try:
                 if seq.params.greedy:
                     tokens, m = accept_greedy(lg, d)
@@ -306,9 +359,20 @@ class SpecEngine(LLMEngine):
             except Exception as e:  # this sequence only
                 self._fail_seq(seq, f"sampling failed: {type(e).__name__}: {e}", out)
                 continue
-            self._accept(seq, tokens, m, len(d), out)
+            done.append((i, tokens, m))
+        lps = _emitted_logprobs(decoding, logits, done)
+        for (i, tokens, m), lp in zip(done, lps, strict=True):
+            self._accept(decoding[i], tokens, m, len(drafts[i]), out, lp)
 
-    def _accept(self, seq: Sequence, tokens: list[int], m: int, proposed: int, out) -> None:
+    def _accept(
+        self,
+        seq: Sequence,
+        tokens: list[int],
+        m: int,
+        proposed: int,
+        out: StepOutput,
+        logprobs: list[TokenLogprob | None] | None = None,
+    ) -> None:
         # draft KV is valid only where the fed tokens were accepted
         seq.draft_len = min(seq.draft_len, seq.num_tokens + m)
         seq.num_proposed += proposed
@@ -317,7 +381,7 @@ class SpecEngine(LLMEngine):
         self.stats.proposed += proposed
         self.stats.accepted += m
         self.stats.verify_steps += 1
-        for token in tokens:
-            self._emit(seq, token, out)
+        for j, token in enumerate(tokens):
+            self._emit(seq, token, out, logprobs[j] if logprobs else None)
             if seq.finished:
                 break  # EOS / max_tokens inside the accepted run: drop the rest
