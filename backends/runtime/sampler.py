@@ -118,6 +118,7 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # top-N (token id, logprob), best first
+    rank: int = 1  # 1 + how many tokens are more likely than the chosen one
 
 
 History = tuple[list[int], list[int]]  # (prompt_ids, output_ids) of one logits row
@@ -174,14 +175,16 @@ def token_logprobs(
     lp = torch.log_softmax(logits[rows].float(), dim=-1)  # [R, V]
     chosen_ids = [tokens[i] for i in rows]
     idx = torch.tensor(chosen_ids, device=lp.device).view(-1, 1)
-    chosen = lp.gather(1, idx).view(-1).tolist()
+    chosen_t = lp.gather(1, idx)  # [R, 1]
+    ranks = (lp > chosen_t).sum(-1).add(1).tolist()
+    chosen = chosen_t.view(-1).tolist()
     n = max(params[i].logprobs for i in rows)
     top_v, top_i = lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long())
     top_v, top_i = top_v.tolist(), top_i.tolist()
     for r, i in enumerate(rows):
         k = params[i].logprobs
         top = tuple(zip(top_i[r][:k], top_v[r][:k], strict=True))
-        res[i] = TokenLogprob(chosen_ids[r], chosen[r], top)
+        res[i] = TokenLogprob(chosen_ids[r], chosen[r], top, ranks[r])
     return res
 
 

@@ -80,9 +80,12 @@ def test_batched_greedy_matches_transformers(tok, runner, hf_outputs):
 
 
 def test_text_deltas_of_generated_tokens_concatenate_to_the_full_text(tok, hf_outputs):
-    """Postprocess's stateless deltas (8 earlier tokens as context) rebuild every answer."""
-    from backends.stages.text import text_delta
+    """Decode's incremental text, one token at a time, rebuilds every answer."""
+    from backends.runtime.detok import TextState
 
     for ids in hf_outputs:
-        pieces = [text_delta(tok, ids[max(0, i - 8) : i], ids[i : i + 1]) for i in range(len(ids))]
-        assert "".join(pieces) == tok.decode(ids)
+        state, pieces = TextState(tok), []
+        for i in range(len(ids)):
+            state.update(ids[: i + 1])
+            pieces.append(state.take())
+        assert "".join(pieces) + state.take(final=True) == tok.decode(ids)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from backends.runtime.sampler import SamplingParams
-from backends.stages import metrics, params
+from backends.stages import ensemble_io, metrics, params
 from backends.stages import request as rq
 from backends.stages.params import StageParams, from_triton_config, instance_index, parse_params
-from backends.stages.text import sampling_from, text_delta
+from backends.stages.text import sampling_from
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 MODEL = os.path.join(ROOT, "models", "smollm2-135m-instruct")
@@ -89,6 +89,10 @@ def test_generated_references_match_the_docs():
     for name in params.SCHEMA:
         assert f"`{name}`" in conf
     assert metrics.reference_table() in open(os.path.join(ROOT, "docs", "metrics.md")).read()
+    assert ensemble_io.reference_table() in open(os.path.join(ROOT, "docs", "serving.md")).read()
+    for model, body in ensemble_io.GENERATED.items():  # the configs' inputs and outputs
+        config = open(os.path.join(ROOT, "model_repository", model, "config.pbtxt")).read()
+        assert body() in config, f"{model}/config.pbtxt is stale: run scripts/gen_docs.py"
 
 
 def test_request_round_trips_and_rejects_bad_fields():
@@ -138,13 +142,17 @@ def test_make_repo_rewrites_parameters_and_instances(tmp_path):
     assert bad.returncode != 0 and "dtype" in bad.stderr
 
 
-def test_text_delta_pieces_concatenate_to_the_full_text():
+def test_streamed_text_pieces_concatenate_to_the_full_text():
+    from backends.runtime.detok import TextState
     from backends.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer(MODEL)
     ids = tok.encode("Café 東京 🙂 naïve — “quotes” and emoji 🎉🎉 end.")
-    pieces = [text_delta(tok, ids[max(0, i - 8) : i], ids[i : i + 1]) for i in range(len(ids))]
-    assert "".join(pieces) == tok.decode(ids)
+    state, pieces = TextState(tok), []
+    for i in range(len(ids)):
+        state.update(ids[: i + 1])
+        pieces.append(state.take())
+    assert "".join(pieces) + state.take(final=True) == tok.decode(ids)
 
 
 def test_a_non_loopback_bootstrap_host_needs_a_secret_or_an_explicit_opt_out(monkeypatch):
