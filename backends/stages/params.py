@@ -63,7 +63,8 @@ class StageParams:
     default_max_tokens: int = _p(
         256,
         ("preprocess",),
-        "`max_tokens` of a request that gives none (at most `max_tokens_limit`)",
+        "`max_tokens` of a request that gives none (capped by `max_tokens_limit` and by what"
+        " the context leaves after the prompt)",
     )
     lg_enabled: bool = _p(
         _LG.enabled,
@@ -217,11 +218,6 @@ class StageParams:
             raise ValueError(
                 f"parameter max_tokens_limit ({self.max_tokens_limit}) must be smaller than"
                 f" max_context ({self.max_context}): a prompt needs at least one token"
-            )
-        if self.default_max_tokens > self.max_tokens_limit:
-            raise ValueError(
-                f"parameter default_max_tokens ({self.default_max_tokens}) must be at most"
-                f" max_tokens_limit ({self.max_tokens_limit})"
             )
         if self.lg_fixed_group_size < 0:
             raise ValueError("parameter lg_fixed_group_size must be >= 0 (0 = adaptive policy)")

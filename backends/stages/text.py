@@ -119,7 +119,9 @@ class Preprocessor:
         """``inputs``: client input name -> value (numpy array or Python value)."""
         p = self.params
         inputs = frontend_inputs(inputs)
-        sampling = sampling_from(inputs, p.default_max_tokens)
+        ids = self.prompt_ids(inputs)
+        room = min(p.default_max_tokens, p.max_tokens_limit, p.max_context - len(ids))
+        sampling = sampling_from(inputs, max(1, room))
         if not 1 <= sampling.max_tokens <= p.max_tokens_limit:
             raise ValueError(
                 f"max_tokens must be in [1, {p.max_tokens_limit}], got {sampling.max_tokens}"
@@ -127,7 +129,6 @@ class Preprocessor:
         bad = [t for t in sampling.stop_token_ids if t >= self.vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:4]} outside the vocabulary [0, {self.vocab})")
-        ids = self.prompt_ids(inputs)
         check_context(len(ids), sampling.max_tokens, p.max_context)
         flag = {k: inputs.get(k) is not None and as_bool(scalar(k, inputs[k])) for k in FLAGS}
         return StageRequest(

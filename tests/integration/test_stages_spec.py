@@ -83,9 +83,9 @@ def test_spec_disaggregated_equals_colocated_and_transformers(case):
     arrived: dict[str, tuple] = {}  # seq id -> (draft KV at hand-off, Sequence)
     add = decode.engine.add_prefilled
 
-    def spy(seq_id, prompt, pages, first, sp, draft_pages=None):
+    def spy(seq_id, prompt, pages, first, sp, draft_pages=None, **kw):
         kv = prompt_kv(decode.pools["draft"], draft_pages, len(prompt))
-        seq = add(seq_id, prompt, pages, first, sp, draft_pages=draft_pages)
+        seq = add(seq_id, prompt, pages, first, sp, draft_pages=draft_pages, **kw)
         arrived[seq_id] = (kv, seq)
         return seq
 
