@@ -226,3 +226,14 @@ def test_add_prefilled_with_a_text_state_that_saw_the_first_token(llama):
     assert seq.output_ids == out
     assert early + text.take(final=True) == tok.decode(out)  # the first token's text once
     assert engine.pool.num_free == 32
+
+
+def test_endless_incomplete_characters_are_shown_after_a_bounded_wait():
+    tok = ByteTokenizer()
+    st = TextState(tok)
+    ids = [200] * 100  # lead bytes only: never a complete character
+    for k in range(1, len(ids) + 1):
+        st.update(ids[:k])
+    assert st.take() and tok.decoded < 100 * 40  # windows stay bounded, not 100 * 100 / 2
+    text, _ = stream(TextState(tok), ids)
+    assert text == tok.decode(ids)  # still the full decode in the end
