@@ -18,6 +18,9 @@ from __future__ import annotations
 from typing import Protocol
 
 REPLACEMENT = "\ufffd"  # what a trailing incomplete UTF-8 sequence decodes to
+# a character is at most 4 UTF-8 bytes: a longer run of tokens that still ends incomplete is
+# garbage (a broken model), shown as it is rather than re-decoded at a growing cost per token
+MAX_PENDING = 16
 
 
 class Decoder(Protocol):
@@ -66,7 +69,8 @@ class TextState:
     def _advance(self, final: bool) -> None:
         before = self.tok.decode(self.ids[self._prefix : self._read], skip_special_tokens=True)
         after = self.tok.decode(self.ids[self._prefix :], skip_special_tokens=True)
-        if after.endswith(REPLACEMENT) and not final:
+        pending = len(self.ids) - self._read
+        if after.endswith(REPLACEMENT) and not final and pending < MAX_PENDING:
             return  # incomplete character: wait for the token that completes it
         new = _delta(before, after)
         self._prefix, self._read = self._read, len(self.ids)

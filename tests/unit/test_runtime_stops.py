@@ -226,3 +226,37 @@ def test_add_prefilled_with_a_text_state_that_saw_the_first_token(llama):
     assert seq.output_ids == out
     assert early + text.take(final=True) == tok.decode(out)  # the first token's text once
     assert engine.pool.num_free == 32
+
+
+def test_endless_incomplete_characters_are_shown_after_a_bounded_wait():
+    tok = ByteTokenizer()
+    st = TextState(tok)
+    ids = [200] * 100  # lead bytes only: never a complete character
+    for k in range(1, len(ids) + 1):
+        st.update(ids[:k])
+    assert st.take() and tok.decoded < 100 * 40  # windows stay bounded, not 100 * 100 / 2
+    text, _ = stream(TextState(tok), ids)
+    assert text == tok.decode(ids)  # still the full decode in the end
+
+
+@pytest.mark.slow
+def test_smollm2_engine_stop_string_streamed(real_tok):
+    from backends.runtime.runner import ModelRunner
+
+    runner = ModelRunner.load(MODEL)
+    prompt = real_tok.encode("Write a short story about a cat.", chat=True)
+    plain = SamplingParams(max_tokens=24, ignore_eos=True)
+    engine = LLMEngine(runner, runner.make_pool(64, 16), max_batch=2, tokenizer=real_tok)
+    out = engine.generate([(prompt, plain)])[0].output_ids
+    full = real_tok.decode(out)
+    a = len(real_tok.decode(out[:10])) - 2  # inside / across the 10th token
+    stop = full[a : a + 5]
+    want, k = expected(real_tok, out, (stop,))
+    seq = engine.add_request("s", prompt, SamplingParams(max_tokens=24, stop=[stop]))
+    shown = ""
+    while engine.has_unfinished():
+        engine.step()
+        shown += seq.text.take()
+        assert stop not in shown and want.startswith(shown)
+    assert seq.finish_reason == FinishReason.STOP and seq.output_ids == out[:k]
+    assert shown + seq.text.take(final=True) == want and engine.pool.num_free == 64

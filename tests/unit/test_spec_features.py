@@ -16,7 +16,7 @@ from test_spec_sampling import CHI2_999, _chi2, _tv
 from backends.runtime.engine import LLMEngine
 from backends.runtime.runner import SeqInput
 from backends.runtime.sampler import SamplingParams, penalize
-from backends.runtime.spec import probs, self_draft
+from backends.runtime.spec import DraftSpec, SpecEngine, probs, self_draft
 
 TOL = 1e-4 if rm.DEVICE == "cpu" else 2e-3
 PROMPTS = [rm.random_prompt(n, seed=200 + n) for n in (3, 8, 5, 11)]
@@ -57,8 +57,8 @@ def test_greedy_features_equal_plain_engine(llama, draft_kind):
         "self2": lambda: self_draft(llama, 2),
         "full": lambda: self_draft(llama, llama.config.num_layers),
     }[draft_kind]()
-    engine = sm.spec_engine(llama, draft, k=4)
-    engine.tokenizer = tok
+    dspec = DraftSpec(draft, draft.make_pool(64, 4, role="draft"), num_spec_tokens=4)
+    engine = SpecEngine(llama, llama.make_pool(64, 4), dspec, max_batch=8, tokenizer=tok)
     got = _run(engine, reqs)
     assert engine.draft.pool.num_free == engine.draft.pool.num_pages
     for w, g in zip(want, got, strict=True):
