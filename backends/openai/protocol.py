@@ -124,7 +124,7 @@ def chat_inputs(req: ChatRequest) -> dict[str, np.ndarray]:
         n = req.top_logprobs or 0
         if not 0 <= n <= MAX_TOP_LOGPROBS:
             raise invalid(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
-        inp["logprobs"] = np.array([n], dtype=np.int32)
+        inp["top_logprobs"] = np.array([n], dtype=np.int32)
     return inp
 
 
@@ -181,7 +181,7 @@ def completion_inputs(req: CompletionRequest) -> dict[str, np.ndarray]:
     if req.logprobs is not None:
         if not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             raise invalid(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
-        inp["logprobs"] = np.array([req.logprobs], dtype=np.int32)
+        inp["top_logprobs"] = np.array([req.logprobs], dtype=np.int32)
     if req.echo:
         inp["echo"] = np.array([True], dtype=np.bool_)
     return inp

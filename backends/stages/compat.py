@@ -44,6 +44,8 @@ def frontend_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
     """``inputs`` with the frontend's names and its JSON parameters turned into this
     ensemble's inputs; ValueError naming the field for anything it cannot honour."""
     out = {k: v for k, v in inputs.items() if v is not None}
+    if "top_logprobs" in out:  # the input's name (an ensemble output is called logprobs)
+        out["logprobs"] = out.pop("top_logprobs")
     if "stop_words" in out:
         if "stop" in out:
             raise ValueError("give stop or stop_words, not both")

@@ -42,8 +42,9 @@ INPUTS = [
     Tensor("stop_words", "STRING", "-1", "the same as `stop` (TensorRT-LLM's name)"),
     Tensor("stop_token_ids", "INT32", "-1", "generation ends after one of these tokens"),
     Tensor("ignore_eos", "BOOL", "1", "generate `max_tokens` tokens whatever the model says"),
-    Tensor("logprobs", "INT32", "1",
-           "N >= 0: return each token's log-probability and the N most likely ones (-1 = off)"),
+    Tensor("top_logprobs", "INT32", "1",
+           "N >= 0: return each token's log-probability and the N most likely ones in `logprobs`"
+           " (-1 = off)"),
     Tensor("stream", "BOOL", "1", "one response per decode step (else one at the end)"),
     Tensor("echo", "BOOL", "1", "the first response's text starts with the prompt's"),
     Tensor("exclude_input_in_output", "BOOL", "1", "the negation of `echo` (vLLM's name)"),

@@ -92,7 +92,7 @@ def test_malformed_requests_name_the_field(server):
     for fields, name in (
         ({"text_input": Q, "max_tokens": 0}, "max_tokens"),
         ({"text_input": Q, "presence_penalty": 5.0}, "presence_penalty"),
-        ({"text_input": Q, "logprobs": 99}, "logprobs"),
+        ({"text_input": Q, "top_logprobs": 99}, "logprobs"),
         ({"messages": '[{"role": "robot", "content": "x"}]'}, "role"),
         ({"text_input": ""}, "text_input"),
     ):

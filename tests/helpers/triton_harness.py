@@ -141,7 +141,7 @@ TYPES = {
     "stop": ("BYTES", np.object_),
     "stop_words": ("BYTES", np.object_),
     "stop_token_ids": ("INT32", np.int32),
-    "logprobs": ("INT32", np.int32),
+    "top_logprobs": ("INT32", np.int32),
     "echo": ("BOOL", np.bool_),
     "exclude_input_in_output": ("BOOL", np.bool_),
     "sampling_parameters": ("BYTES", np.object_),

@@ -139,13 +139,13 @@ def test_openai_fields_map_onto_ensemble_inputs():
         "top_logprobs": 2, "seed": 4, "top_k": 5, "user": "ignored",
     })  # fmt: skip
     inp = oai.chat_inputs(req)
-    assert inp["max_tokens"].tolist() == [9] and inp["logprobs"].tolist() == [2]
+    assert inp["max_tokens"].tolist() == [9] and inp["top_logprobs"].tolist() == [2]
     assert inp["stop"].tolist() == [b"\n"] and inp["top_k"].tolist() == [5]
     assert json.loads(inp["messages"][0]) == [
         {"role": "system", "content": "a"}, {"role": "user", "content": "b"}]  # fmt: skip
     comp = oai.completion_inputs(oai.parse(oai.CompletionRequest, {
         "model": "m", "prompt": [1, 2, 3], "logprobs": 0, "echo": True}))  # fmt: skip
-    assert comp["input_ids"].tolist() == [1, 2, 3] and comp["logprobs"].tolist() == [0]
+    assert comp["input_ids"].tolist() == [1, 2, 3] and comp["top_logprobs"].tolist() == [0]
     assert comp["echo"].tolist() == [True] and "max_tokens" not in comp
     with pytest.raises(APIError, match="one prompt per request"):
         two = {"model": "m", "prompt": ["a", "b"]}
