@@ -172,7 +172,8 @@ def test_disconnect_mid_stream_frees_the_pages(server):
     while seen < 3:  # a few tokens arrived: decode is running the request
         line = resp.fp.readline()
         seen += line.startswith(b"data: {")
-    conn.sock.close()  # the client goes away mid-stream
+    resp.close()  # the client goes away mid-stream (the response holds the socket too)
+    conn.close()
     m = wait_pages_free(server, timeout=30)
     assert m[("pd_kv_pages_in_use", "decode")] == 0 and m[("pd_kv_pages_in_use", "prefill")] == 0
     end = time.time() + 10
