@@ -55,6 +55,9 @@ def test_pools_services_and_configuration_fit_together():
         assert c["args"][c["args"].index("--role") + 1] == role
         ports = {p["name"] for p in c["ports"]}
         assert {p["targetPort"] for p in svcs[name]["spec"]["ports"]} <= ports
+        if role == "decode":  # the OpenAI front: serve.sh's default port, in the Service too
+            assert {"name": "openai", "containerPort": 9000} in c["ports"]
+            assert "--no-openai" not in c["args"] and "openai" in ports
         vols = {v["name"]: v for v in pod["volumes"]}
         assert vols["secret"]["secret"]["secretName"] in secrets
         params = maps[vols["params"]["configMap"]["name"]]["data"]["params"]
