@@ -219,7 +219,12 @@ class TPModelRunner(ShardRunner):
         try:
             return fn()
         except Exception as e:
-            raise self._fail(f"tensor-parallel forward failed: {type(e).__name__}: {e}") from e
+            hint = ""
+            if "timed out" in str(e).lower():
+                hint = f" (a rank did not answer within {self.timeout_s:g} s)"
+            raise self._fail(
+                f"tensor-parallel forward failed{hint}: {type(e).__name__}: {e}"
+            ) from e
 
     def _pool_id(self, pool: KVPool) -> int:
         pid = self._pool_ids.get(pool)
