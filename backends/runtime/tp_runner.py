@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import os
 import threading
 import weakref
 from multiprocessing.connection import Connection, wait
@@ -123,14 +124,18 @@ class TPModelRunner(ShardRunner):
         size: int = 1,
         timeout_s: float = 60.0,
         load_timeout_s: float = 600.0,
+        threads_per_rank: int | None = None,
     ) -> TPModelRunner:
         """Start ranks 1..N-1 (spawned, never forked), load rank 0's shard, join the group.
 
         ``timeout_s``: the deadline of every collective and answer; ``load_timeout_s``: of a
         worker's load. A model that cannot be split ``size`` ways is refused before any spawn.
+        ``threads_per_rank``: torch threads of each worker (default: the host's cores shared
+        out, at least 1); rank 0's are the caller's to set (``torch.set_num_threads``).
         """
         devices = tp_devices(device, size)
         size = len(devices)
+        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // size)
         config = load_config(path, num_layers)
         plan = ShardPlan.build(config, size, 0)
         for r in range(1, size):
@@ -143,7 +148,7 @@ class TPModelRunner(ShardRunner):
         try:
             for r in range(1, size):
                 spec = WorkerSpec(
-                    path, dtype, devices[r], num_layers, r, size, store.port, timeout_s
+                    path, dtype, devices[r], num_layers, r, size, store.port, timeout_s, threads
                 )
                 conn, child = ctx.Pipe()
                 proc = ctx.Process(

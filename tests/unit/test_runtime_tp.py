@@ -127,3 +127,23 @@ def test_four_ranks_replicate_two_kv_heads():
         assert seq.output_ids == expected
     finally:
         runner.close()
+
+
+def test_generate_script_with_two_ranks():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    path = rm.checkpoint("qwen2_kv2")
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "scripts", "generate.py"), "--model", path]
+        + ["--prompt-ids", "5,6,7,8", "--max-tokens", "8", "--tensor-parallel-size", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    (res,) = [json.loads(line) for line in out.stdout.splitlines()]
+    assert res["output_ids"] == rm.hf_greedy("qwen2_kv2", [5, 6, 7, 8], 8)
