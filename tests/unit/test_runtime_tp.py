@@ -112,14 +112,14 @@ def test_refuses_a_size_that_does_not_split_the_heads():
     with pytest.raises(
         ValueError, match=r"tensor_parallel_size 3 does not divide num_attention_heads 4"
     ):
-        ModelRunner.load(rm.checkpoint("llama"), tensor_parallel_size=3)
+        ModelRunner.load(rm.checkpoint("llama"), device="cpu", tensor_parallel_size=3)
 
 
 def test_four_ranks_replicate_two_kv_heads():
     """Llama, 4 heads and 2 KV heads on 4 ranks: ranks 0, 1 hold KV head 0, ranks 2, 3 head 1."""
     prompt = rm.random_prompt(9, seed=2)
     expected = rm.hf_greedy("llama", prompt, 16)
-    runner = ModelRunner.load(rm.checkpoint("llama"), tensor_parallel_size=4)
+    runner = ModelRunner.load(rm.checkpoint("llama"), device="cpu", tensor_parallel_size=4)
     try:
         assert runner.plan.kv_heads == (0, 1) and len(runner.worker_pids) == 3
         engine = LLMEngine(runner, runner.make_pool(16, 4), max_batch=2)

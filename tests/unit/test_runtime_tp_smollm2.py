@@ -29,10 +29,10 @@ def generate(runner: ModelRunner, prompt: list[int], n: int) -> tuple[list[int],
 
 def test_three_ranks_equal_one_rank():
     prompt = Tokenizer(MODEL).encode("What is the capital of France?", chat=True)
-    one = ModelRunner.load(MODEL)
+    one = ModelRunner.load(MODEL, device="cpu")
     want, want_logits = generate(one, prompt, 16)
     del one
-    three = ModelRunner.load(MODEL, tensor_parallel_size=3)
+    three = ModelRunner.load(MODEL, device="cpu", tensor_parallel_size=3)
     try:
         assert three.plan.kv_heads == (0, 1) and len(three.worker_pids) == 2
         got, got_logits = generate(three, prompt, 16)
