@@ -3,7 +3,8 @@ transformers on tiny random checkpoints, in float32.
 
 * ``qwen2_kv2``: 4 heads, 2 KV heads: one KV head per rank (split);
 * ``qwen2``: 4 heads, 1 KV head: the KV head replicated on both ranks;
-* ``deepseek_v2``: MLA (latent replicated, heads split) + MoE (each expert's intermediate split).
+* ``deepseek_v2``: MLA (latent replicated, heads split) + MoE (each expert's intermediate split);
+* ``deepseek_v3``: the same with a q LoRA (``q_b_proj`` split by head) and sigmoid routing.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from backends.runtime.runner import ModelRunner, SeqInput
 from backends.runtime.sampler import SamplingParams
 from backends.runtime.tp_runner import TPModelRunner
 
-KINDS = ["qwen2_kv2", "qwen2", "deepseek_v2"]
+KINDS = ["qwen2_kv2", "qwen2", "deepseek_v2", "deepseek_v3"]
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -35,7 +36,7 @@ def tp2(kind):
 def test_rank0_pool_holds_its_kv_head_shard(kind, tp2):
     assert isinstance(tp2, TPModelRunner) and len(tp2.worker_pids) == 1
     layout = tp2.make_pool(4, 4).layout
-    if kind == "deepseek_v2":  # the latent is replicated: the whole entry on every rank
+    if kind.startswith("deepseek"):  # the latent is replicated: the whole entry on every rank
         assert (layout.attn, layout.kv_heads, layout.head_dim) == ("mla", 1, 16 + 8)
     elif kind == "qwen2_kv2":
         assert (layout.kv_heads, layout.head_start, layout.total_kv_heads) == (1, 0, 2)
@@ -147,3 +148,20 @@ def test_generate_script_with_two_ranks():
     )
     (res,) = [json.loads(line) for line in out.stdout.splitlines()]
     assert res["output_ids"] == rm.hf_greedy("qwen2_kv2", [5, 6, 7, 8], 8)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_kv2", "deepseek_v2"])
+def test_torch_fallback_ops_per_rank(kind, monkeypatch):
+    """Every rank on torch's ops (SDPA, F.linear, unfused norms and rope): workers inherit the
+    settings from rank 0's environment."""
+    for name, value in [("ATTENTION", "sdpa"), ("LINEAR", "torch"), ("FUSED", "torch")]:
+        monkeypatch.setenv(f"PD_RUNTIME_{name}", value)
+    prompt = rm.random_prompt(7, seed=5)
+    runner = ModelRunner.load(rm.checkpoint(kind), device="cpu", tensor_parallel_size=2)
+    try:
+        assert runner.model.kernels.attention == "sdpa"
+        engine = LLMEngine(runner, runner.make_pool(16, 4), max_batch=2)
+        (seq,) = engine.generate([(prompt, SamplingParams(max_tokens=16))])
+    finally:
+        runner.close()
+    assert seq.output_ids == rm.hf_greedy(kind, prompt, 16)
