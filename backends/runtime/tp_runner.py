@@ -24,22 +24,33 @@ Failure rules:
 from __future__ import annotations
 
 import itertools
-import multiprocessing as mp
 import os
 import threading
 import weakref
-from multiprocessing.connection import Connection, wait
+from dataclasses import replace
 
 import torch
+
+from kvtransfer.layout import EntryLayout
 
 from .cpu_kernels import cpu_ops
 from .kv_pool import KVPool
 from .runner import SeqInput
 from .tp_comm import TensorParallelError, TPGroup, make_store
+from .tp_procs import WorkerHandle, spawn_worker, stop_workers
 from .tp_rank import ShardRunner, load_config, load_shard
 from .tp_shard import ShardPlan
-from .tp_wire import DROP_POOL, FORWARD, MAKE_POOL, PREFILL, STOP, Command, encode
-from .tp_worker import ERROR, GO, OK, READY, WorkerSpec, worker_main
+from .tp_wire import (
+    DROP_POOL,
+    FORWARD,
+    LAYOUT,
+    MAKE_POOL,
+    PREFILL,
+    Command,
+    decode_layout,
+    encode,
+)
+from .tp_worker import GO, OK, READY, WorkerSpec
 
 
 def tp_devices(device: str | list[str], size: int) -> list[str]:
@@ -60,56 +71,6 @@ def tp_devices(device: str | list[str], size: int) -> list[str]:
             f"this host has {have}"
         )
     return [f"cuda:{first + r}" for r in range(size)]
-
-
-class _Worker:
-    def __init__(self, rank: int, proc, conn: Connection):
-        self.rank, self.proc, self.conn = rank, proc, conn
-
-    def death(self, grace_s: float = 1.0) -> str | None:
-        """Why the worker is gone, or None while it runs (waits up to ``grace_s`` for a dying
-        process to be reaped)."""
-        if self.proc.exitcode is None and grace_s > 0:
-            wait([self.proc.sentinel], grace_s)
-        code = self.proc.exitcode
-        return None if code is None else f"tensor-parallel rank {self.rank} died (exit code {code})"
-
-    def expect(self, want: bytes, timeout_s: float, what: str) -> None:
-        """Wait for the worker's answer ``want``; TensorParallelError on error, death, timeout."""
-        ready = wait([self.conn, self.proc.sentinel], timeout_s)
-        if self.conn in ready:
-            try:
-                msg = self.conn.recv_bytes()
-            except (EOFError, OSError):
-                msg = b""
-            if msg == want:
-                return
-            if msg.startswith(ERROR):
-                reason = msg[len(ERROR) :].decode(errors="replace")
-                raise TensorParallelError(f"tensor-parallel rank {self.rank}: {what}: {reason}")
-        if ready:
-            raise TensorParallelError(f"{self.death()}: {what}")
-        raise TensorParallelError(
-            f"tensor-parallel rank {self.rank}: no answer within {timeout_s:.0f} s ({what})"
-        )
-
-
-def _stop_workers(workers: list[_Worker], grace_s: float) -> None:
-    stop = encode(Command(STOP))
-    for w in workers:
-        try:
-            w.conn.send_bytes(stop)
-        except OSError:
-            pass
-    for w in workers:
-        w.proc.join(grace_s)
-        if w.proc.is_alive():
-            w.proc.terminate()
-            w.proc.join(2.0)
-        if w.proc.is_alive():
-            w.proc.kill()
-            w.proc.join()
-        w.conn.close()
 
 
 class TPModelRunner(ShardRunner):
@@ -143,20 +104,13 @@ class TPModelRunner(ShardRunner):
         if devices[0] == "cpu":
             cpu_ops()  # build the C++ kernels once, before the workers load them
         store = make_store(timeout_s)
-        ctx = mp.get_context("spawn")  # the serving process runs zmq/Mooncake threads
-        workers: list[_Worker] = []
+        workers: list[WorkerHandle] = []
         try:
             for r in range(1, size):
                 spec = WorkerSpec(
                     path, dtype, devices[r], num_layers, r, size, store.port, timeout_s, threads
                 )
-                conn, child = ctx.Pipe()
-                proc = ctx.Process(
-                    target=worker_main, args=(spec, child), name=f"pd-tp-rank{r}", daemon=True
-                )
-                proc.start()
-                child.close()
-                workers.append(_Worker(r, proc, conn))
+                workers.append(spawn_worker(spec))
             tensors = load_shard(path, config, plan, dtype, devices[0])
             for w in workers:
                 w.expect(READY, load_timeout_s, "loading its shard")
@@ -167,7 +121,7 @@ class TPModelRunner(ShardRunner):
             for w in workers:
                 w.expect(OK, load_timeout_s, "building its model")
         except BaseException:
-            _stop_workers(workers, 0.5)
+            stop_workers(workers, 0.5)
             raise
         runner._attach(workers, store, group, timeout_s, load_timeout_s)
         return runner
@@ -180,7 +134,7 @@ class TPModelRunner(ShardRunner):
         self._pool_ids: weakref.WeakKeyDictionary[KVPool, int] = weakref.WeakKeyDictionary()
         self._dead_pools: list[int] = []  # appended by pool finalizers, sent before a command
         self._next_id = itertools.count(1)
-        self._finalizer = weakref.finalize(self, _stop_workers, workers, 5.0)
+        self._finalizer = weakref.finalize(self, stop_workers, workers, 5.0)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -198,7 +152,7 @@ class TPModelRunner(ShardRunner):
         dead = [d for d in (w.death(grace_s=1.0) for w in self.workers) if d]
         self._broken = self._broken or (dead[0] if dead else reason)
         self._finalizer.detach()
-        _stop_workers(self.workers, 0.5)
+        stop_workers(self.workers, 0.5)
         return TensorParallelError(self._broken)
 
     def _check_alive(self) -> None:
@@ -259,6 +213,20 @@ class TPModelRunner(ShardRunner):
             self._pool_ids[pool] = pid
             weakref.finalize(pool, self._dead_pools.append, pid)
             return pool
+
+    def shard_layouts(self, pool: KVPool) -> list[EntryLayout]:
+        """Every rank's layout of ``pool``'s entry, in rank order: its KV heads
+        ``[head_start, head_start + kv_heads)`` of ``total_kv_heads`` (GQA; replicated heads
+        appear on several ranks) and ``base_addr`` in THAT rank's process. MLA: the whole latent
+        on every rank."""
+        with self._lock:
+            self._check_alive()
+            self._send(Command(LAYOUT, self._pool_id(pool)))
+            out = [pool.layout]
+            for w in self.workers:
+                fields = decode_layout(w.answer(self.timeout_s, "describing a pool"))
+                out.append(replace(pool.layout, **fields))
+            return out
 
     def forward(
         self, pool: KVPool, seqs: list[SeqInput], last_only: bool = False

@@ -7,7 +7,8 @@ pickle). Layout: ``[VERSION, op, pool_id, ...]``, then per op:
 * ``DROP_POOL``: nothing (the pool is gone on rank 0);
 * ``FORWARD``: ``last_only, B, (start_pos, num_tokens, num_pages) x B, tokens..., pages...``;
 * ``PREFILL``: ``start_pos, num_tokens, num_pages, tokens..., pages...``;
-* ``STOP``: nothing.
+* ``STOP``: nothing;
+* ``LAYOUT``: nothing; the worker answers :func:`encode_layout` of its pool's layout.
 
 Every rank then runs the same forward; the forward's collectives keep them in step.
 """
@@ -18,7 +19,8 @@ from array import array
 from dataclasses import dataclass, field
 
 VERSION = 1
-MAKE_POOL, DROP_POOL, FORWARD, PREFILL, STOP = range(1, 6)
+MAKE_POOL, DROP_POOL, FORWARD, PREFILL, STOP, LAYOUT = range(1, 7)
+LAYOUT_FIELDS = ("head_start", "kv_heads", "total_kv_heads", "base_addr")
 ROLES = ("target", "draft")
 
 
@@ -77,6 +79,19 @@ def decode(buf: bytes) -> Command:
     elif cmd.op == PREFILL:
         start, n, p = a[3], a[4], a[5]
         cmd.seqs = [(a[6 : 6 + n].tolist(), start, a[6 + n : 6 + n + p].tolist())]
-    elif cmd.op not in (DROP_POOL, STOP):
+    elif cmd.op not in (DROP_POOL, STOP, LAYOUT):
         raise ValueError(f"unknown tensor-parallel command {cmd.op}")
     return cmd
+
+
+def encode_layout(layout) -> bytes:
+    """A worker's answer to LAYOUT: the fields of its EntryLayout that differ between ranks."""
+    return array("q", [getattr(layout, f) for f in LAYOUT_FIELDS]).tobytes()
+
+
+def decode_layout(buf: bytes) -> dict[str, int]:
+    a = array("q")
+    a.frombytes(buf)
+    if len(a) != len(LAYOUT_FIELDS):
+        raise ValueError(f"layout answer of {len(a)} fields, want {len(LAYOUT_FIELDS)}")
+    return dict(zip(LAYOUT_FIELDS, a.tolist(), strict=True))

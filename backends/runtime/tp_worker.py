@@ -97,7 +97,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
 def serve(runner, conn: Connection) -> None:
     """Run rank 0's commands until STOP or EOF; a failed forward ends the process (exit 1)."""
     from .runner import SeqInput
-    from .tp_wire import DROP_POOL, FORWARD, MAKE_POOL, PREFILL, STOP, decode
+    from .tp_wire import DROP_POOL, FORWARD, LAYOUT, MAKE_POOL, PREFILL, STOP, decode, encode_layout
 
     pools = {}
     while True:
@@ -116,6 +116,9 @@ def serve(runner, conn: Connection) -> None:
             continue
         if cmd.op == DROP_POOL:
             pools.pop(cmd.pool_id, None)
+            continue
+        if cmd.op == LAYOUT:
+            conn.send_bytes(encode_layout(pools[cmd.pool_id].layout))
             continue
         try:
             pool = pools[cmd.pool_id]

@@ -45,6 +45,21 @@ def test_rank0_pool_holds_its_kv_head_shard(kind, tp2):
     assert tp2.model.layers[0].attn.H == 2  # 4 query heads, 2 per rank
 
 
+def test_every_rank_describes_its_shard_of_a_pool(kind, tp2):
+    pool = tp2.make_pool(6, 4)
+    layouts = tp2.shard_layouts(pool)
+    assert len(layouts) == 2 and layouts[0] == pool.layout
+    assert {(x.num_pages, x.page_size, x.num_layers) for x in layouts} == {(6, 4, 4)}
+    assert layouts[1].base_addr not in (0, pool.layout.base_addr)  # the worker's own buffer
+    heads = [(x.head_start, x.kv_heads, x.total_kv_heads) for x in layouts]
+    if kind.startswith("deepseek"):
+        assert heads == [(0, 1, 0)] * 2 and {x.head_dim for x in layouts} == {24}
+    elif kind == "qwen2_kv2":
+        assert heads == [(0, 1, 2), (1, 1, 2)]
+    else:
+        assert heads == [(0, 1, 1), (0, 1, 1)]  # the one KV head on both ranks
+
+
 def test_logits_match_transformers(kind, tp2):
     prompt = rm.random_prompt(21, seed=1)
     with torch.no_grad():
@@ -123,6 +138,8 @@ def test_four_ranks_replicate_two_kv_heads():
     runner = ModelRunner.load(rm.checkpoint("llama"), device="cpu", tensor_parallel_size=4)
     try:
         assert runner.plan.kv_heads == (0, 1) and len(runner.worker_pids) == 3
+        starts = [x.head_start for x in runner.shard_layouts(runner.make_pool(2, 4))]
+        assert starts == [0, 0, 1, 1]
         engine = LLMEngine(runner, runner.make_pool(16, 4), max_batch=2)
         (seq,) = engine.generate([(prompt, SamplingParams(max_tokens=16))])
         assert seq.output_ids == expected
