@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -111,3 +112,21 @@ def test_workers_die_with_rank_0():
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_worker_killed_during_a_collective_fails_the_forward_at_once():
+    runner = start(timeout_s=60.0)
+    pool = runner.make_pool(4, 4)
+    (pid,) = runner.worker_pids
+    os.kill(pid, signal.SIGSTOP)  # rank 0 will wait for it in the first all_reduce ...
+    killer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))  # ... until it dies there
+    killer.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"rank 1 died \(exit code -9\)"):
+            runner.forward(pool, [SeqInput([5, 6], 0, [0])])
+        assert time.monotonic() - t0 < 10  # the closed socket, not the 60 s deadline
+    finally:
+        killer.join()
+        runner.close()
+    assert not running(pid)
