@@ -37,6 +37,10 @@ class TPGroup:
 
     def __init__(self, store: dist.Store, rank: int, size: int, device, timeout_s: float):
         self.rank, self.size = rank, size
+        # rank 0 opens a step only after sending the forward to every worker; a collective
+        # outside one (the model run directly, e.g. as a self-draft) would wait for ranks that
+        # were never told to run: refused at once instead of hanging to the deadline
+        self.step_open = rank != 0
         self.device = torch.device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
         prefixed = dist.PrefixStore("pd_tp/", store)
@@ -51,14 +55,23 @@ class TPGroup:
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
             self.pg = dist.ProcessGroupGloo(prefixed, rank, size, opts)
 
+    def _check_step(self) -> None:
+        if not self.step_open:
+            raise TensorParallelError(
+                "a tensor-parallel model runs only through its TPModelRunner's forward / prefill "
+                "(a self-draft of a tensor-parallel target is not supported yet)"
+            )
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in place; returns it. Every rank gets the same bits."""
+        self._check_step()
         t = t.contiguous()
         self.pg.allreduce([t]).wait()
         return t
 
     def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's ``t`` (same shape everywhere) at rank 0, in rank order; None elsewhere."""
+        self._check_step()
         t = t.contiguous()
         opts = dist.GatherOptions()
         opts.rootRank = 0

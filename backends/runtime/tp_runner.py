@@ -175,6 +175,7 @@ class TPModelRunner(ShardRunner):
 
     def _in_step(self, fn):
         """Run rank 0's part of a forward the workers were sent; any failure breaks the runner."""
+        self.group.step_open = True
         try:
             return fn()
         except Exception as e:
@@ -184,6 +185,8 @@ class TPModelRunner(ShardRunner):
             raise self._fail(
                 f"tensor-parallel forward failed{hint}: {type(e).__name__}: {e}"
             ) from e
+        finally:
+            self.group.step_open = False
 
     def _pool_id(self, pool: KVPool) -> int:
         pid = self._pool_ids.get(pool)

@@ -182,3 +182,15 @@ def test_torch_fallback_ops_per_rank(kind, monkeypatch):
     finally:
         runner.close()
     assert seq.output_ids == rm.hf_greedy(kind, prompt, 16)
+
+
+def test_the_sharded_model_refuses_to_run_outside_its_runner(tp2):
+    from backends.runtime.spec import self_draft
+    from backends.runtime.tp_comm import TensorParallelError
+
+    draft = self_draft(tp2, 2)  # a plain ModelRunner over the shard: workers never hear of it
+    pool = draft.make_pool(4, 4)
+    with pytest.raises(TensorParallelError, match="not supported yet"):
+        draft.forward(pool, [SeqInput([5, 6], 0, [0])])
+    out = tp2.forward(tp2.make_pool(4, 4), [SeqInput([5, 6], 0, [0])])[0]  # still in step
+    assert out.shape == (2, 256)
