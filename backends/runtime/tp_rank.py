@@ -1,7 +1,7 @@
 """What every rank of a tensor-parallel runner runs: a ModelRunner over its weight shard.
 
 Loading is split in two so the slow part happens before the ranks rendezvous:
-:func:`load_shard` reads the checkpoint and keeps this rank's slices (seconds to minutes), then
+:func:`load_shard` reads this rank's slices of the checkpoint (seconds to minutes), then
 :meth:`ShardRunner.build` wraps them in a model joined to the process group (fast).
 
 Each rank's KV pool covers its own KV heads: a GQA pool is
@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+from safetensors import safe_open
 
 from kvtransfer.layout import EntryLayout
 
@@ -24,8 +25,8 @@ from .dtypes import model_dtype
 from .runner import ModelRunner
 from .tp_comm import TPGroup
 from .tp_model import TPCausalLM
-from .tp_shard import ShardPlan, shard_tensors
-from .weights import WeightReader, load_weights
+from .tp_shard import ALL, EMBED, LM_HEAD, ShardPlan, slice_spec, take, vocab_shard
+from .weights import WeightReader, beyond_layers, weight_files
 
 
 def load_config(path: str, num_layers: int | None) -> ModelConfig:
@@ -36,11 +37,25 @@ def load_config(path: str, num_layers: int | None) -> ModelConfig:
 def load_shard(
     path: str, config: ModelConfig, plan: ShardPlan, dtype: str, device: str
 ) -> dict[str, torch.Tensor]:
-    """This rank's tensors on ``device`` (the full checkpoint passes through CPU memory once)."""
-    full = load_weights(path, config.num_layers, model_dtype(dtype), "cpu")
-    shard = shard_tensors(full, config, plan)
-    del full
-    return {k: v.to(device) for k, v in shard.items()}
+    """This rank's tensors on ``device``, reading only its slices of each sharded tensor from
+    the safetensors files (a rank's memory holds its shard and the replicated tensors)."""
+    torch_dtype = model_dtype(dtype)
+    out: dict[str, torch.Tensor] = {}
+    for file in weight_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if beyond_layers(name, config.num_layers):
+                    continue
+                part = f.get_slice(name)
+                spec = slice_spec(name, part.get_shape(), config, plan)
+                if spec is None:
+                    continue
+                t = f.get_tensor(name) if spec == ALL else take(part, spec)
+                out[name] = t.to(torch_dtype) if t.is_floating_point() else t
+    if config.tie_word_embeddings or LM_HEAD not in out:
+        out[LM_HEAD] = take(out[EMBED], slice_spec(LM_HEAD, [], config, plan))
+    out[LM_HEAD] = vocab_shard(out[LM_HEAD], plan)
+    return {k: v.to(device) for k, v in out.items()}
 
 
 class ShardRunner(ModelRunner):

@@ -100,75 +100,86 @@ _ATTN = re.compile(r"\.self_attn\.(q_proj|q_b_proj|k_proj|v_proj|kv_b_proj|o_pro
 _MLP = re.compile(r"\.mlp\.(?:.+\.)?(gate_proj|up_proj|down_proj)\.(weight|bias)$")
 _FUSED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
+ALL = "all"  # a replicated tensor: every rank holds all of it
+# a slice: (dim, ranges): the ranges [a, b) of dimension `dim`, concatenated along it
+Slice = tuple[int, tuple[tuple[int, int], ...]]
+LM_HEAD = "lm_head.weight"
+EMBED = "model.embed_tokens.weight"
 
-def _rows(t: torch.Tensor, a: int, b: int, dim: int = 0) -> torch.Tensor:
-    return t.narrow(dim, a, b - a).contiguous()
+
+def slice_spec(
+    name: str, shape: list[int], cfg: ModelConfig, plan: ShardPlan
+) -> Slice | str | None:
+    """What rank ``plan.rank`` holds of checkpoint tensor ``name`` of ``shape``: ``ALL``, a
+    :data:`Slice`, or None (a row-parallel bias held by rank 0 only). The LM head's slice is
+    padded to ``plan.vocab_padded`` rows afterwards (:func:`vocab_shard`)."""
+    if name == LM_HEAD:
+        return 0, (plan.vocab,)
+    m = _ATTN.search(name)
+    if m:
+        return _attention_spec(m.group(1), m.group(2), cfg, plan)
+    m = _MLP.search(name)
+    if m:
+        proj, kind = m.groups()
+        if proj != "down_proj":
+            return 0, (plan.split(shape[0]),)  # [I, D] -> [I/N, D]
+        if kind == "bias":
+            return ALL if plan.rank == 0 else None
+        return 1, (plan.split(shape[1]),)  # [D, I] -> [D, I/N]
+    m = _FUSED_EXPERTS.search(name)
+    if m:
+        if m.group(1) == "down_proj":  # [E, D, I]
+            return 2, (plan.split(shape[2]),)
+        inter = shape[1] // 2  # [E, 2I, D]: gate rows, then up rows
+        a, b = plan.split(inter)
+        return 1, ((a, b), (inter + a, inter + b))
+    return ALL  # replicated: norms, embedding, router, MLA latent projection
+
+
+def _attention_spec(proj: str, kind: str, cfg: ModelConfig, plan: ShardPlan) -> Slice | str | None:
+    h0, h1 = plan.heads
+    if proj == "o_proj":
+        if kind == "bias":
+            return ALL if plan.rank == 0 else None
+        per = cfg.v_head_dim if cfg.attn == "mla" else cfg.head_dim
+        return 1, ((h0 * per, h1 * per),)  # [hidden, H d] -> [hidden, H/N d]
+    if proj in ("k_proj", "v_proj"):
+        k0, k1 = plan.kv_heads
+        return 0, ((k0 * cfg.head_dim, k1 * cfg.head_dim),)
+    if proj == "kv_b_proj":
+        per = cfg.qk_nope_head_dim + cfg.v_head_dim
+    else:  # q_proj, q_b_proj: per head dn + dr (MLA) or head_dim (GQA): cfg.head_dim either way
+        per = cfg.head_dim
+    return 0, ((h0 * per, h1 * per),)
+
+
+def take(src, spec: Slice) -> torch.Tensor:
+    """``src``'s slice: ``src`` is a tensor or a safetensors slice (read only that part)."""
+    dim, ranges = spec
+    parts = [src[(slice(None),) * dim + (slice(a, b),)] for a, b in ranges]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim)).contiguous()
+
+
+def vocab_shard(rows: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
+    """rows: this rank's real LM head rows [b - a, hidden] -> [Vp, hidden], zero rows past V
+    (their logits are cut off after the gather)."""
+    shard = rows.new_zeros(plan.vocab_padded, rows.shape[1])
+    shard[: rows.shape[0]] = rows
+    return shard
 
 
 def shard_tensors(
     tensors: dict[str, torch.Tensor], cfg: ModelConfig, plan: ShardPlan
 ) -> dict[str, torch.Tensor]:
-    """The rank's tensors, by checkpoint name (an absent name is a bias not held here)."""
+    """The rank's tensors from a whole in-memory checkpoint (an absent name: a bias not held
+    here); ``lm_head.weight`` is the vocabulary shard, of the embedding when tied."""
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        s = shard_tensor(name, t, cfg, plan)
-        if s is not None:
-            out[name] = s
-    head = tensors.get("lm_head.weight")
+        spec = slice_spec(name, list(t.shape), cfg, plan)
+        if spec is not None and name != LM_HEAD:
+            out[name] = t if spec == ALL else take(t, spec)
+    head = tensors.get(LM_HEAD)
     if cfg.tie_word_embeddings or head is None:
-        head = tensors["model.embed_tokens.weight"]
-    out["lm_head.weight"] = _vocab_shard(head, plan)
+        head = tensors[EMBED]
+    out[LM_HEAD] = vocab_shard(take(head, slice_spec(LM_HEAD, list(head.shape), cfg, plan)), plan)
     return out
-
-
-def _vocab_shard(w: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
-    # w: [V, hidden] -> [Vp, hidden]; rows past V are zeros (their logits are cut off)
-    a, b = plan.vocab
-    shard = w.new_zeros(plan.vocab_padded, w.shape[1])
-    shard[: b - a] = w[a:b]
-    return shard
-
-
-def shard_tensor(
-    name: str, t: torch.Tensor, cfg: ModelConfig, plan: ShardPlan
-) -> torch.Tensor | None:
-    if name == "lm_head.weight":
-        return None  # see shard_tensors
-    m = _ATTN.search(name)
-    if m:
-        return _shard_attention(m.group(1), m.group(2), t, cfg, plan)
-    m = _MLP.search(name)
-    if m:
-        proj, kind = m.groups()
-        if proj == "down_proj":
-            if kind == "bias":
-                return t if plan.rank == 0 else None
-            return _rows(t, *plan.split(t.shape[1]), dim=1)  # [D, I] -> [D, I/N]
-        return _rows(t, *plan.split(t.shape[0]))  # [I, D] -> [I/N, D]
-    m = _FUSED_EXPERTS.search(name)
-    if m:
-        if m.group(1) == "down_proj":  # [E, D, I]
-            return _rows(t, *plan.split(t.shape[2]), dim=2)
-        gate, up = t.chunk(2, dim=1)  # [E, I, D] each
-        a, b = plan.split(gate.shape[1])
-        return torch.cat([_rows(gate, a, b, 1), _rows(up, a, b, 1)], dim=1)
-    return t  # replicated: norms, embedding, router, MLA latent projection
-
-
-def _shard_attention(
-    proj: str, kind: str, t: torch.Tensor, cfg: ModelConfig, plan: ShardPlan
-) -> torch.Tensor | None:
-    h0, h1 = plan.heads
-    if proj == "o_proj":
-        if kind == "bias":
-            return t if plan.rank == 0 else None
-        per = cfg.v_head_dim if cfg.attn == "mla" else cfg.head_dim
-        return _rows(t, h0 * per, h1 * per, dim=1)  # [hidden, H d] -> [hidden, H/N d]
-    if proj in ("k_proj", "v_proj"):
-        k0, k1 = plan.kv_heads
-        return _rows(t, k0 * cfg.head_dim, k1 * cfg.head_dim)
-    if proj == "kv_b_proj":
-        per = cfg.qk_nope_head_dim + cfg.v_head_dim
-    else:  # q_proj, q_b_proj: per head dn + dr (MLA) or head_dim (GQA): cfg.head_dim either way
-        per = cfg.head_dim
-    return _rows(t, h0 * per, h1 * per)

@@ -194,3 +194,19 @@ def test_the_sharded_model_refuses_to_run_outside_its_runner(tp2):
         draft.forward(pool, [SeqInput([5, 6], 0, [0])])
     out = tp2.forward(tp2.make_pool(4, 4), [SeqInput([5, 6], 0, [0])])[0]  # still in step
     assert out.shape == (2, 256)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "deepseek_v3"])
+def test_a_rank_reads_only_its_slices_of_the_checkpoint(kind):
+    from backends.runtime.tp_rank import load_config, load_shard
+    from backends.runtime.tp_shard import ShardPlan, shard_tensors
+    from backends.runtime.weights import load_weights
+
+    path = rm.checkpoint(kind)
+    cfg = load_config(path, None)
+    plan = ShardPlan.build(cfg, 2, 1)
+    got = load_shard(path, cfg, plan, "float32", "cpu")
+    want = shard_tensors(load_weights(path, cfg.num_layers, torch.float32, "cpu"), cfg, plan)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert got["lm_head.weight"].shape == (128, 64)  # half the vocabulary (tied for qwen2)

@@ -84,3 +84,18 @@ def test_commands_round_trip():
     assert (mk.num_pages, mk.page_size, mk.role) == (16, 8, "draft")
     with pytest.raises(ValueError, match="version"):
         decode(b"\x07" + encode(fwd)[1:])
+
+
+def test_fused_expert_tensors_split_each_expert_intermediate():
+    cfg = gqa(4, 2)
+    E, inter, D = 3, 6, 5
+    gate_up = torch.arange(E * 2 * inter * D, dtype=torch.float32).view(E, 2 * inter, D)
+    down = torch.arange(E * D * inter, dtype=torch.float32).view(E, D, inter)
+    full = {"model.layers.0.mlp.experts.gate_up_proj": gate_up, "lm_head.weight": torch.ones(10, D)}
+    full["model.layers.0.mlp.experts.down_proj"] = down
+    shards = [shard_tensors(full, cfg, ShardPlan.build(cfg, 2, r)) for r in range(2)]
+    parts = [s["model.layers.0.mlp.experts.gate_up_proj"] for s in shards]  # [E, 2 * 3, D] each
+    assert torch.equal(torch.cat([p[:, :3] for p in parts], 1), gate_up[:, :inter])  # gate
+    assert torch.equal(torch.cat([p[:, 3:] for p in parts], 1), gate_up[:, inter:])  # up
+    downs = [s["model.layers.0.mlp.experts.down_proj"] for s in shards]
+    assert torch.equal(torch.cat(downs, 2), down)
