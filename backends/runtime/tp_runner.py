@@ -50,7 +50,7 @@ from .tp_wire import (
     decode_layout,
     encode,
 )
-from .tp_worker import GO, OK, READY, WorkerSpec
+from .tp_worker import ERROR, GO, OK, READY, WorkerSpec
 
 
 def tp_devices(device: str | list[str], size: int) -> list[str]:
@@ -71,6 +71,12 @@ def tp_devices(device: str | list[str], size: int) -> list[str]:
             f"this host has {have}"
         )
     return [f"cuda:{first + r}" for r in range(size)]
+
+
+def _raise_error_answer(answers: list[bytes]) -> None:
+    for a in answers:
+        if a.startswith(ERROR):
+            raise TensorParallelError(a[len(ERROR) :].decode(errors="replace"))
 
 
 class TPModelRunner(ShardRunner):
@@ -173,6 +179,21 @@ class TPModelRunner(ShardRunner):
             except OSError as e:
                 raise self._fail(f"tensor-parallel rank {w.rank}: send failed: {e}") from e
 
+    def _answers(self, what: str, timeout_s: float) -> list[bytes]:
+        """Every worker's answer to the command just sent, in rank order; an error answer comes
+        back as ``b"error: ..."`` (every answer read, none left in a pipe). A rank that died or
+        did not answer breaks the runner."""
+        out = []
+        for w in self.workers:
+            try:
+                out.append(w.answer(timeout_s, what))
+            except TensorParallelError as e:
+                if w.death(grace_s=0) is None and "no answer" not in str(e):
+                    out.append(ERROR + str(e).encode())
+                    continue
+                raise self._fail(str(e)) from e
+        return out
+
     def _in_step(self, fn):
         """Run rank 0's part of a forward the workers were sent; any failure breaks the runner."""
         self.group.step_open = True
@@ -206,13 +227,10 @@ class TPModelRunner(ShardRunner):
             pool = ShardRunner.make_pool(self, num_pages, page_size, role)
             pid = next(self._next_id)
             self._send(Command(MAKE_POOL, pid, num_pages, page_size, role))
-            try:
-                for w in self.workers:
-                    w.expect(OK, self.load_timeout_s, f"making a pool of {num_pages} pages")
-            except TensorParallelError:
-                self._dead_pools.append(pid)
-                self._check_alive()
-                raise
+            answers = self._answers(f"making a pool of {num_pages} pages", self.load_timeout_s)
+            if any(a != OK for a in answers):  # e.g. out of memory on a rank
+                self._dead_pools.append(pid)  # dropped where it was made
+                _raise_error_answer(answers)
             self._pool_ids[pool] = pid
             weakref.finalize(pool, self._dead_pools.append, pid)
             return pool
@@ -225,11 +243,9 @@ class TPModelRunner(ShardRunner):
         with self._lock:
             self._check_alive()
             self._send(Command(LAYOUT, self._pool_id(pool)))
-            out = [pool.layout]
-            for w in self.workers:
-                fields = decode_layout(w.answer(self.timeout_s, "describing a pool"))
-                out.append(replace(pool.layout, **fields))
-            return out
+            answers = self._answers("describing a pool", self.timeout_s)
+            _raise_error_answer(answers)
+            return [pool.layout] + [replace(pool.layout, **decode_layout(a)) for a in answers]
 
     def forward(
         self, pool: KVPool, seqs: list[SeqInput], last_only: bool = False

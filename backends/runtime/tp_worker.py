@@ -118,7 +118,11 @@ def serve(runner, conn: Connection) -> None:
             pools.pop(cmd.pool_id, None)
             continue
         if cmd.op == LAYOUT:
-            conn.send_bytes(encode_layout(pools[cmd.pool_id].layout))
+            pool = pools.get(cmd.pool_id)
+            if pool is None:
+                conn.send_bytes(ERROR + f"no pool {cmd.pool_id} on this rank".encode())
+            else:
+                conn.send_bytes(encode_layout(pool.layout))
             continue
         try:
             pool = pools[cmd.pool_id]

@@ -210,3 +210,15 @@ def test_a_rank_reads_only_its_slices_of_the_checkpoint(kind):
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert got["lm_head.weight"].shape == (128, 64)  # half the vocabulary (tied for qwen2)
+
+
+def test_an_error_answer_is_raised_and_leaves_the_ranks_in_step(tp2):
+    from backends.runtime.tp_comm import TensorParallelError
+
+    pool = tp2.make_pool(4, 4)
+    tp2._pool_ids[pool] = 999  # a pool id the worker never made
+    with pytest.raises(TensorParallelError, match="no pool 999 on this rank"):
+        tp2.shard_layouts(pool)
+    good = tp2.make_pool(4, 4)
+    assert len(tp2.shard_layouts(good)) == 2  # no stale answer left in the pipe
+    assert tp2.forward(good, [SeqInput([5], 0, [0])])[0].shape == (1, 256)
