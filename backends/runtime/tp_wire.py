@@ -11,6 +11,11 @@ pickle). Layout: ``[VERSION, op, pool_id, ...]``, then per op:
 * ``LAYOUT``: nothing; the worker answers :func:`encode_layout` of its pool's layout.
 
 Every rank then runs the same forward; the forward's collectives keep them in step.
+
+Why a pipe and not a ``torch.distributed`` broadcast: a worker waits for its next forward for as
+long as the server idles, which no collective with a deadline can do; the pipe also carries the
+worker's answers (``ok``, a layout, ``error: ...``) and gives an EOF when rank 0 dies. The bytes
+are the same compact int64 encoding a broadcast would carry.
 """
 
 from __future__ import annotations
