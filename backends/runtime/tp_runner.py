@@ -39,7 +39,7 @@ from .runner import SeqInput
 from .tp_comm import TensorParallelError, TPGroup, make_store
 from .tp_procs import WorkerHandle, spawn_worker, stop_workers
 from .tp_rank import ShardRunner, load_config, load_shard
-from .tp_shard import ShardPlan
+from .tp_shard import ShardPlan, TensorParallelConfigError
 from .tp_wire import (
     DROP_POOL,
     FORWARD,
@@ -55,6 +55,10 @@ from .tp_worker import ERROR, GO, OK, READY, WorkerSpec
 
 def tp_devices(device: str | list[str], size: int) -> list[str]:
     """One device per rank: a list as given; ``cpu`` for every rank; ``cuda:k`` -> k, k+1, ..."""
+    if not isinstance(size, int) or size < 1:
+        raise TensorParallelConfigError(
+            f"tensor_parallel_size must be a positive integer, got {size!r}"
+        )
     if not isinstance(device, str):
         devices = [str(torch.device(d)) for d in device]
         if size not in (1, len(devices)):

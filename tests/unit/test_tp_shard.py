@@ -99,3 +99,11 @@ def test_fused_expert_tensors_split_each_expert_intermediate():
     assert torch.equal(torch.cat([p[:, 3:] for p in parts], 1), gate_up[:, inter:])  # up
     downs = [s["model.layers.0.mlp.experts.down_proj"] for s in shards]
     assert torch.equal(torch.cat(downs, 2), down)
+
+
+@pytest.mark.parametrize("size", [0, -1, 2.0])
+def test_sizes_that_are_not_positive_integers_are_refused(size):
+    from backends.runtime.tp_runner import tp_devices
+
+    with pytest.raises(TensorParallelConfigError, match=f"got {size!r}"):
+        tp_devices("cpu", size)
