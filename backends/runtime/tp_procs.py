@@ -25,7 +25,9 @@ class WorkerHandle:
         """Why the worker is gone, or None while it runs (waits up to ``grace_s`` for a dying
         process to be reaped)."""
         if self.proc.exitcode is None and grace_s > 0:
-            wait([self.proc.sentinel], grace_s)
+            # join, not a wait on the sentinel alone: a dying process closes its pipes (and
+            # sockets: the peer's collective fails) a moment before the kernel can reap it
+            self.proc.join(grace_s)
         code = self.proc.exitcode
         return None if code is None else f"tensor-parallel rank {self.rank} died (exit code {code})"
 
