@@ -46,6 +46,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--dtype", choices=MODEL_DTYPES, default=StageParams.dtype)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over N ranks (this process and N-1 workers; cuda: one GPU each)",
+    )
     ap.add_argument("--page-size", type=int, default=StageParams.page_size)
     ap.add_argument("--max-batch", type=int, default=StageParams.max_batch)
     ap.add_argument("--json", action="store_true", help="one JSON object per request")
@@ -75,7 +81,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     reqs = load_requests(args)
     t0 = time.perf_counter()
-    runner = ModelRunner.load(args.model, dtype=args.dtype, device=args.device)
+    tp = args.tensor_parallel_size
+    if tp > 1:  # every rank gets its share of the cores, this one (rank 0) too
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+    runner = ModelRunner.load(
+        args.model, dtype=args.dtype, device=args.device, tensor_parallel_size=tp
+    )
     tokenizer = None
     if any("prompt" in r for r in reqs) or os.path.isfile(
         os.path.join(args.model, "tokenizer.json")
@@ -98,7 +111,10 @@ def main(argv=None) -> int:
     max_context = min(runner.config.max_position_embeddings, max(longest, 1))
     engine = LLMEngine(runner, pool, max_batch=args.max_batch, max_context=max_context)
     t1 = time.perf_counter()
-    seqs = engine.generate(list(zip(prompts, params, strict=True)))
+    try:
+        seqs = engine.generate(list(zip(prompts, params, strict=True)))
+    finally:
+        runner.close()
     dt = time.perf_counter() - t1
     n_out = sum(len(s.output_ids) for s in seqs)
     print(f"[generate] {len(seqs)} requests, {n_out} tokens in {dt:.2f}s", file=sys.stderr)

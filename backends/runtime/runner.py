@@ -43,10 +43,22 @@ class ModelRunner:
         path: str,
         *,
         dtype: str = "float32",
-        device: str = "cpu",
+        device: str | list[str] = "cpu",
         num_layers: int | None = None,
+        tensor_parallel_size: int = 1,
     ) -> ModelRunner:
-        """Load ``path``; ``num_layers=K`` keeps the first K layers (a self-draft model)."""
+        """Load ``path``; ``num_layers=K`` keeps the first K layers (a self-draft model).
+
+        ``tensor_parallel_size`` N > 1 (or a list of N devices, one per rank): this process is
+        rank 0 of N and starts ranks 1..N-1 as worker processes it owns
+        (:class:`~backends.runtime.tp_runner.TPModelRunner`; call :meth:`close` to stop them).
+        """
+        if tensor_parallel_size != 1 or not isinstance(device, str):
+            from .tp_runner import TPModelRunner
+
+            return TPModelRunner.start(
+                path, dtype=dtype, device=device, num_layers=num_layers, size=tensor_parallel_size
+            )
         torch_dtype = model_dtype(dtype)
         config = ModelConfig.from_pretrained(path)
         if num_layers is not None:
@@ -93,6 +105,21 @@ class ModelRunner:
             seqs, pool.page_size, pool.num_pages, self.device, self.config.sliding_window
         )
 
+    def _check_groups(self, groups: list[tuple[int, int]] | None) -> list[tuple[int, int]]:
+        n = self.config.num_layers
+        groups = groups if groups is not None else [(0, n)]
+        expect = 0
+        for a, b in groups:
+            if a != expect or not a < b <= n:
+                raise ValueError(f"groups must tile [0, {n}) in order, got {groups}")
+            expect = b
+        if expect != n:
+            raise ValueError(f"groups must tile [0, {n}) in order, got {groups}")
+        return groups
+
+    def close(self) -> None:
+        """Release what the runner owns beyond memory (a tensor-parallel runner's workers)."""
+
     def _ids(self, token_ids: list[int]) -> torch.Tensor:
         return torch.tensor(token_ids, dtype=torch.long, device=self.device)
 
@@ -115,15 +142,7 @@ class ModelRunner:
         self._check_pool(pool)
         if not token_ids:
             raise ValueError("prefill needs at least one token")
-        n = self.config.num_layers
-        groups = groups if groups is not None else [(0, n)]
-        expect = 0
-        for a, b in groups:
-            if a != expect or not a < b <= n:
-                raise ValueError(f"groups must tile [0, {n}) in order, got {groups}")
-            expect = b
-        if expect != n:
-            raise ValueError(f"groups must tile [0, {n}) in order, got {groups}")
+        groups = self._check_groups(groups)
         meta = self._meta(pool, [(start_pos, len(token_ids), pages)])
         h = self.model.embed(self._ids(token_ids))  # [T, hidden]
         for a, b in groups:

@@ -40,6 +40,12 @@ def weight_files(path: str) -> list[str]:
     return files
 
 
+def beyond_layers(name: str, num_layers: int) -> bool:
+    """Whether ``name`` is a decoder layer's tensor at or beyond ``num_layers``."""
+    m = _LAYER_RE.match(name)
+    return m is not None and int(m.group(1)) >= num_layers
+
+
 def load_weights(
     path: str, num_layers: int, dtype: torch.dtype, device: str | torch.device
 ) -> dict[str, torch.Tensor]:
@@ -47,8 +53,7 @@ def load_weights(
     for file in weight_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                m = _LAYER_RE.match(name)
-                if m and int(m.group(1)) >= num_layers:
+                if beyond_layers(name, num_layers):
                     continue
                 t = f.get_tensor(name)
                 if t.is_floating_point():

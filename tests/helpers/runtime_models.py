@@ -56,6 +56,14 @@ def _qwen2():
     return Qwen2ForCausalLM(cfg)
 
 
+def _qwen2_kv2():
+    """Qwen2 with 2 KV heads (of 4): split one KV head per rank at tensor parallel size 2."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=False)
+    return Qwen2ForCausalLM(cfg)
+
+
 def _mistral():
     from transformers import MistralConfig, MistralForCausalLM
 
@@ -116,6 +124,7 @@ def _deepseek_v2():
 BUILDERS = {
     "llama": _llama,
     "qwen2": _qwen2,
+    "qwen2_kv2": _qwen2_kv2,
     "mistral": _mistral,
     "deepseek_v3": _deepseek_v3,
     "deepseek_v2": _deepseek_v2,

@@ -15,8 +15,8 @@ def _runtime_device():
         return
     load = ModelRunner.load.__func__
 
-    def on_device(cls, path, *, dtype="float32", device=rm.DEVICE, num_layers=None):
-        return load(cls, path, dtype=dtype, device=device, num_layers=num_layers)
+    def on_device(cls, path, *, dtype="float32", device=rm.DEVICE, num_layers=None, **kw):
+        return load(cls, path, dtype=dtype, device=device, num_layers=num_layers, **kw)
 
     ModelRunner.load = classmethod(on_device)
     yield

@@ -1,0 +1,70 @@
+"""One rank's shard of the causal LM: the plain model on sharded weights plus the collectives.
+
+The model code (:mod:`~backends.runtime.model`, attention, layers) runs unchanged on a shard: it
+only sees fewer heads (``ShardPlan.local_config``) and narrower weights. Three points differ:
+
+* attention's o_proj is row-parallel: its partial output is summed over the ranks before the
+  residual add (``RowParallel``);
+* the MLP / MoE output is a partial sum over the intermediate slice: summed likewise
+  (``Reduced``; one all_reduce covers MoE's routed and shared experts together);
+* the LM head holds a vocabulary slice: logits ``[T, Vp]`` are gathered to rank 0 and cut to the
+  real vocabulary ``[T, V]``. Other ranks get their own slice back (never used).
+
+Two all_reduces of ``[T, hidden]`` per layer, one gather of the logits per forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+from .model import CausalLM
+from .tp_comm import TPGroup
+from .tp_shard import ShardPlan
+from .weights import WeightReader
+
+
+class RowParallel:
+    """A row-parallel linear: ``x_shard @ W_shard.T`` summed over the ranks (+ bias on rank 0)."""
+
+    def __init__(self, linear, group: TPGroup):
+        self.linear, self.group = linear, group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.linear(x))  # [T, hidden]
+
+
+class Reduced:
+    """An MLP or MoE over an intermediate slice: its partial output summed over the ranks."""
+
+    def __init__(self, mlp, group: TPGroup):
+        self.mlp, self.group = mlp, group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.mlp(x))  # [T, hidden]
+
+
+class TPCausalLM(CausalLM):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        w: WeightReader,
+        device,
+        dtype: torch.dtype,
+        plan: ShardPlan,
+        group: TPGroup,
+    ):
+        """cfg: the whole model's config; w: this rank's tensors (``shard_tensors``)."""
+        super().__init__(plan.local_config(cfg), w, device, dtype)
+        self.full_config, self.plan, self.group = cfg, plan, group
+        for layer in self.layers:
+            layer.attn.o = RowParallel(layer.attn.o, group)
+            layer.mlp = Reduced(layer.mlp, group)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        # h: [T, hidden] -> rank 0: [T, V] float32; other ranks: their slice [T, Vp]
+        local = super().logits(h)  # [T, Vp]
+        parts = self.group.gather(local)
+        if parts is None:
+            return local
+        return torch.cat(parts, dim=-1)[:, : self.full_config.vocab_size]

@@ -1,0 +1,89 @@
+"""Rank 0's handles on its worker processes: spawn, answers under a deadline, death, stop.
+
+A worker answers rank 0 on its pipe (``ready``, ``ok``, a layout, or ``error: ...``);
+:meth:`WorkerHandle.answer` waits on the pipe AND the process sentinel, so a worker that dies
+while rank 0 waits is reported at once ("tensor-parallel rank 1 died (exit code -9)"), and one
+that hangs after ``timeout_s``. :func:`stop_workers` asks politely (STOP), then terminates, then
+kills: no worker survives it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from multiprocessing.connection import Connection, wait
+
+from .tp_comm import TensorParallelError
+from .tp_wire import STOP, Command, encode
+from .tp_worker import ERROR, WorkerSpec, worker_main
+
+
+class WorkerHandle:
+    def __init__(self, rank: int, proc, conn: Connection):
+        self.rank, self.proc, self.conn = rank, proc, conn
+
+    def death(self, grace_s: float = 1.0) -> str | None:
+        """Why the worker is gone, or None while it runs (waits up to ``grace_s`` for a dying
+        process to be reaped)."""
+        if self.proc.exitcode is None and grace_s > 0:
+            # join, not a wait on the sentinel alone: a dying process closes its pipes (and
+            # sockets: the peer's collective fails) a moment before the kernel can reap it
+            self.proc.join(grace_s)
+        code = self.proc.exitcode
+        return None if code is None else f"tensor-parallel rank {self.rank} died (exit code {code})"
+
+    def answer(self, timeout_s: float, what: str) -> bytes:
+        """The worker's next answer; TensorParallelError on an error answer, death, timeout."""
+        ready = wait([self.conn, self.proc.sentinel], timeout_s)
+        if self.conn in ready:
+            try:
+                msg = self.conn.recv_bytes()
+            except (EOFError, OSError):
+                msg = b""
+            if msg.startswith(ERROR):
+                reason = msg[len(ERROR) :].decode(errors="replace")
+                raise TensorParallelError(f"tensor-parallel rank {self.rank}: {what}: {reason}")
+            if msg:
+                return msg
+        if ready:
+            raise TensorParallelError(f"{self.death()}: {what}")
+        raise TensorParallelError(
+            f"tensor-parallel rank {self.rank}: no answer within {timeout_s:.0f} s ({what})"
+        )
+
+    def expect(self, want: bytes, timeout_s: float, what: str) -> None:
+        msg = self.answer(timeout_s, what)
+        if msg != want:
+            raise TensorParallelError(
+                f"tensor-parallel rank {self.rank}: {what}: answered {msg[:32]!r}, want {want!r}"
+            )
+
+
+def stop_workers(workers: list[WorkerHandle], grace_s: float) -> None:
+    stop = encode(Command(STOP))
+    for w in workers:
+        try:
+            w.conn.send_bytes(stop)
+        except OSError:
+            pass
+    for w in workers:
+        w.proc.join(grace_s)
+        if w.proc.is_alive():
+            w.proc.terminate()
+            w.proc.join(2.0)
+        if w.proc.is_alive():
+            w.proc.kill()
+            w.proc.join()
+        w.conn.close()
+
+
+def spawn_worker(spec: WorkerSpec) -> WorkerHandle:
+    """Start rank ``spec.rank`` in a spawned process (never forked: the serving process runs
+    zmq / Mooncake threads) with a pipe to it; daemonic, so it cannot outlive a clean exit."""
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(
+        target=worker_main, args=(spec, child), name=f"pd-tp-rank{spec.rank}", daemon=True
+    )
+    proc.start()
+    child.close()
+    return WorkerHandle(spec.rank, proc, conn)

@@ -1,0 +1,102 @@
+"""Commands from rank 0 to the other ranks of a tensor-parallel runner: flat int64 buffers.
+
+Rank 0 sends each command as the raw bytes of one int64 array over a pipe to each worker (no
+pickle). Layout: ``[VERSION, op, pool_id, ...]``, then per op:
+
+* ``MAKE_POOL``: ``num_pages, page_size, role`` (0 target, 1 draft);
+* ``DROP_POOL``: nothing (the pool is gone on rank 0);
+* ``FORWARD``: ``last_only, B, (start_pos, num_tokens, num_pages) x B, tokens..., pages...``;
+* ``PREFILL``: ``start_pos, num_tokens, num_pages, tokens..., pages...``;
+* ``STOP``: nothing;
+* ``LAYOUT``: nothing; the worker answers :func:`encode_layout` of its pool's layout.
+
+Every rank then runs the same forward; the forward's collectives keep them in step.
+
+Why a pipe and not a ``torch.distributed`` broadcast: a worker waits for its next forward for as
+long as the server idles, which no collective with a deadline can do; the pipe also carries the
+worker's answers (``ok``, a layout, ``error: ...``) and gives an EOF when rank 0 dies. The bytes
+are the same compact int64 encoding a broadcast would carry.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+VERSION = 1
+MAKE_POOL, DROP_POOL, FORWARD, PREFILL, STOP, LAYOUT = range(1, 7)
+LAYOUT_FIELDS = ("head_start", "kv_heads", "total_kv_heads", "base_addr")
+ROLES = ("target", "draft")
+
+
+@dataclass
+class Command:
+    op: int
+    pool_id: int = 0
+    num_pages: int = 0  # MAKE_POOL
+    page_size: int = 0
+    role: str = "target"
+    last_only: bool = False  # FORWARD
+    # FORWARD / PREFILL: (tokens, start_pos, pages) per sequence
+    seqs: list[tuple[list[int], int, list[int]]] = field(default_factory=list)
+
+
+def encode(cmd: Command) -> bytes:
+    out = array("q", [VERSION, cmd.op, cmd.pool_id])
+    if cmd.op == MAKE_POOL:
+        out.extend([cmd.num_pages, cmd.page_size, ROLES.index(cmd.role)])
+    elif cmd.op == FORWARD:
+        out.extend([int(cmd.last_only), len(cmd.seqs)])
+        for tokens, start, pages in cmd.seqs:
+            out.extend([start, len(tokens), len(pages)])
+        for tokens, _, _ in cmd.seqs:
+            out.extend(tokens)
+        for _, _, pages in cmd.seqs:
+            out.extend(pages)
+    elif cmd.op == PREFILL:
+        ((tokens, start, pages),) = cmd.seqs
+        out.extend([start, len(tokens), len(pages)])
+        out.extend(tokens)
+        out.extend(pages)
+    return out.tobytes()
+
+
+def decode(buf: bytes) -> Command:
+    a = array("q")
+    a.frombytes(buf)
+    if len(a) < 3 or a[0] != VERSION:
+        got = a[0] if a else None
+        raise ValueError(f"tensor-parallel command of version {got}, want {VERSION}")
+    cmd = Command(op=a[1], pool_id=a[2])
+    if cmd.op == MAKE_POOL:
+        cmd.num_pages, cmd.page_size, cmd.role = a[3], a[4], ROLES[a[5]]
+    elif cmd.op == FORWARD:
+        cmd.last_only, B = bool(a[3]), a[4]
+        heads = [a[5 + 3 * b : 8 + 3 * b] for b in range(B)]
+        pos = 5 + 3 * B
+        toks = []
+        for _, n, _ in heads:
+            toks.append(a[pos : pos + n].tolist())
+            pos += n
+        for (start, _, n), t in zip(heads, toks, strict=True):
+            cmd.seqs.append((t, start, a[pos : pos + n].tolist()))
+            pos += n
+    elif cmd.op == PREFILL:
+        start, n, p = a[3], a[4], a[5]
+        cmd.seqs = [(a[6 : 6 + n].tolist(), start, a[6 + n : 6 + n + p].tolist())]
+    elif cmd.op not in (DROP_POOL, STOP, LAYOUT):
+        raise ValueError(f"unknown tensor-parallel command {cmd.op}")
+    return cmd
+
+
+def encode_layout(layout) -> bytes:
+    """A worker's answer to LAYOUT: the fields of its EntryLayout that differ between ranks."""
+    return array("q", [getattr(layout, f) for f in LAYOUT_FIELDS]).tobytes()
+
+
+def decode_layout(buf: bytes) -> dict[str, int]:
+    a = array("q")
+    a.frombytes(buf)
+    if len(a) != len(LAYOUT_FIELDS):
+        raise ValueError(f"layout answer of {len(a)} fields, want {len(LAYOUT_FIELDS)}")
+    return dict(zip(LAYOUT_FIELDS, a.tolist(), strict=True))
