@@ -7,6 +7,7 @@ loopback as is."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -38,8 +39,11 @@ def test_readme_disaggregated_quickstart_works_as_written(tmp_path):
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "The capital of France is Paris." in out.stdout
+    answer = [json.loads(ln) for ln in out.stdout.splitlines() if "text_completion" in ln]
+    assert len(answer) == 1 and answer[0]["usage"]["completion_tokens"] == 4  # the OpenAI API
+    assert answer[0]["choices"][0]["finish_reason"] == "length"
     routed = re.findall(r'^pd_router_requests_total\{.*server="([^"]+)".*\} (\S+)$',
                         out.stdout, re.M)  # fmt: skip
     assert sorted(s for s, _ in routed) == ["127.0.0.1:8101", "127.0.0.1:8201"]
-    assert sum(float(v) for _, v in routed) == 1.0  # the one request went to one of them
+    assert sum(float(v) for _, v in routed) == 2.0  # client.py's and the OpenAI request
     assert out.stdout.count("stopped tritonserver") == 3
