@@ -117,10 +117,12 @@ class StageParams:
         " messages on the network); without it such a config fails the load",
     )
     max_queue: int = _p(
-        64,
+        4096,
         PD,
         "requests a stage holds waiting (prefill: for decode's pages or for compute; decode: for"
-        " KV pages); past it new requests get `overloaded, retry later` (UNAVAILABLE) at once",
+        " KV pages); past it new requests get `overloaded, retry later` (UNAVAILABLE) at once."
+        " A waiting request costs only its prompt ids: bursts queue, `queue_timeout_s` bounds"
+        " the wait",
     )
     queue_timeout_s: float = _p(
         _TC.queue_timeout_s,

@@ -119,13 +119,13 @@ class Preprocessor:
         """``inputs``: client input name -> value (numpy array or Python value)."""
         p = self.params
         inputs = frontend_inputs(inputs)
+        if inputs.get("max_tokens") is not None:
+            m = _cast("max_tokens", int, inputs["max_tokens"])
+            if not 1 <= m <= p.max_tokens_limit:
+                raise ValueError(f"max_tokens must be in [1, {p.max_tokens_limit}], got {m}")
         ids = self.prompt_ids(inputs)
         room = min(p.default_max_tokens, p.max_tokens_limit, p.max_context - len(ids))
         sampling = sampling_from(inputs, max(1, room))
-        if not 1 <= sampling.max_tokens <= p.max_tokens_limit:
-            raise ValueError(
-                f"max_tokens must be in [1, {p.max_tokens_limit}], got {sampling.max_tokens}"
-            )
         bad = [t for t in sampling.stop_token_ids if t >= self.vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:4]} outside the vocabulary [0, {self.vocab})")
