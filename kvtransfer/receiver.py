@@ -30,6 +30,7 @@ from .config import TransferConfig
 from .control import ControlLoop, ReleaseCallback, TransferFailed
 from .layout import EntryLayout, check_compatible
 from .proof import SessionToken
+from .receiver_hints import ReceiverHints
 from .receiver_staging import ReceiverStaging
 from .state import ReceiverRoom, RoomStatus
 
@@ -64,7 +65,7 @@ def check_address(addr: str) -> str:
     return addr
 
 
-class KVReceiver(ReceiverStaging, ControlLoop):
+class KVReceiver(ReceiverHints, ReceiverStaging, ControlLoop):
     """``tensors`` (role -> the pool's tensor, optional): enables staged transfers (decode
     scatters chunks that prefill gathered from fragmented page tables)."""
 
@@ -125,6 +126,7 @@ class KVReceiver(ReceiverStaging, ControlLoop):
             self.token.addr,
             self.token.token,
             **self.staging_fields(),
+            fingerprint=self.fingerprint,
         )
         self.call_sync(self._register, reg, addrs, on_release, on_fail, on_first)
 
@@ -261,8 +263,14 @@ class KVReceiver(ReceiverStaging, ControlLoop):
         if peer is None or len(frames) != 1:
             self.drop("garbage", f"{len(frames)} frames")
             return
-        msg = self.decode(frames[0].bytes)
-        if msg is None:
+        raw = frames[0].bytes
+        try:
+            msg = self.verifier.decode(raw)
+        except m.MessageError as e:
+            self.drop(e.kind, e)
+            hint = m.peek_refusal(raw) if e.kind in ("auth", "version") else None
+            if hint is not None:
+                self._on_refuse_hint(peer, hint)
             return
         peer.last_rx = time.monotonic()
         if isinstance(msg, m.Pong):
@@ -348,6 +356,8 @@ class KVReceiver(ReceiverStaging, ControlLoop):
             try:
                 if not r.status.ended:
                     self._tick_room(r, now, active)
+                else:
+                    self.expire_hint_quarantine(r, now)
             except Exception:  # one room's trouble never stops the others' timeouts
                 self.loop_errors += 1
                 log.exception("kv-receiver: tick of room %d failed", r.room)

@@ -1,0 +1,43 @@
+"""Decode's handling of prefill's unsigned ``Refuse`` (a mixin of
+:class:`~kvtransfer.receiver.KVReceiver`, run on its control thread).
+
+Prefill answers a Register it cannot verify (another shared secret) or read (another protocol
+version) with an unsigned Refuse naming the reason and its key id. Nothing vouches for it, so
+decode treats it as a hint, and what it can do is bounded: it ends only a room registered with
+that very peer and not claimed yet (which the peer could also end by not answering until the
+bootstrap timeout), early, with the reason in the client's error. Its pages are not trusted to
+be free of writes: they stay quarantined as for any failed room, released when the peer is
+proven gone or after ``transfer_timeout_s`` (the bound on any claimed write), whichever comes
+first. It never changes data, never touches a claimed room or another peer's room.
+"""
+
+from __future__ import annotations
+
+import time
+
+from . import messages as m
+from .identity import reason_of
+
+
+class ReceiverHints:
+    def _on_refuse_hint(self, peer, hint: m.Refuse) -> None:
+        """Prefill could not verify or read this room's Register (another secret or protocol):
+        an UNSIGNED hint, so it may only end a room registered with that very peer and not yet
+        claimed, early. Its pages stay quarantined (no proof that nothing writes) for at most
+        ``transfer_timeout_s``, the bound on any claimed write."""
+        r = self.rooms.get(hint.room)
+        if r is None or peer.addr not in r.addrs or r.claimed_by or r.status.ended:
+            return
+        mine = self.fingerprint.key_id if self.fingerprint else "?"
+        why = hint.reason[:300]
+        if "secret differs" in why:
+            why += f" (decode key id {mine})"
+        self.count_refusal(reason_of(why), f"room {r.room}: prefill {peer.addr}: {why}")
+        self._fail(r.room, f"prefill {peer.addr}: {why}")
+        if r.quarantine and not r.released:
+            r.quarantine_until = time.monotonic() + self.config.transfer_timeout_s
+
+    def expire_hint_quarantine(self, r, now: float) -> None:
+        if r.quarantine and r.quarantine_until and now > r.quarantine_until:
+            r.quarantine.clear()  # only a Refuse hint's room: see _on_refuse_hint
+            self._try_release(r)
