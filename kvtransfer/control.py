@@ -78,6 +78,11 @@ class ControlLoop:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """The control loop runs (its endpoints are bound and served)."""
+        return self._thread.is_alive() and not self._stop
+
     def socket(self, kind: int, max_frame: int = CONTROL_FRAME_BYTES) -> zmq.Socket:
         """A socket the loop polls; a peer sending a frame over ``max_frame`` is disconnected."""
         s = self.ctx.socket(kind)
