@@ -28,6 +28,7 @@ from zmq.utils.monitor import parse_monitor_message
 from . import messages as m
 from .config import TransferConfig
 from .control import ControlLoop, ReleaseCallback, TransferFailed
+from .identity import INCOMPATIBLE, reason_of
 from .layout import EntryLayout, check_compatible
 from .proof import SessionToken
 from .receiver_hints import ReceiverHints
@@ -292,6 +293,8 @@ class KVReceiver(ReceiverHints, ReceiverStaging, ControlLoop):
             if claimed is None:
                 self._on_ack(r, peer, msg)
         elif isinstance(msg, m.Fail):
+            if INCOMPATIBLE in msg.reason and claimed is None:
+                self.count_refusal(reason_of(msg.reason), f"room {r.room}: {msg.reason}")
             if claimed in (None, peer.addr):  # that prefill's writes (if any) drained
                 other = None if claimed else "another prefill failed the room"
                 self._fail(r.room, f"prefill {peer.addr}: {msg.reason}", other, (peer.addr,))
