@@ -50,6 +50,9 @@ class TransferConfig:
     staging_slots: prefill's local slots (gathered chunks), at most ``staging_inflight``
         writes in flight; decode: ``staging_recv_slots`` slots lent to rooms,
         ``staging_grants_per_room`` at most per room.
+    kv_checksum: prefill sends a CRC32C per entry and layer of the room's KV in Complete and
+        decode verifies it over the bytes that landed before the room may run (checksum.py);
+        a mismatch fails the room. Both sides must agree (it is part of the fingerprint).
     identity: the stage's model identity (kvtransfer/identity.py); with it, decode sends its
         fingerprint in every Register and prefill refuses a different one at once.
     """
@@ -77,6 +80,7 @@ class TransferConfig:
     staging_recv_slots: int = 12
     staging_grants_per_room: int = 3
     staging_min_copy_bytes: int = 512 << 10
+    kv_checksum: bool = False
     identity: Identity | None = None
 
     def __post_init__(self) -> None:

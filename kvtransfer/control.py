@@ -270,6 +270,13 @@ class ControlLoop:
         """Per-room detail: bytes, seconds, and one record per layer group (sender side)."""
         return self.transfer_stats.get_room(room)
 
+    def keep_tensors(self, tensors: dict | None) -> None:
+        """The pools' tensors (role -> tensor): kv_checksum reads the room's bytes through them."""
+        self.pool_tensors = dict(tensors or {})
+        missing = [r for r in self.layouts if self.pool_tensors.get(r) is None]
+        if self.config.kv_checksum and missing:
+            raise ValueError(f"kv_checksum needs the pools' tensors (missing: {missing})")
+
     def open_engine(self, layouts: dict[str, EntryLayout]) -> None:
         """Check the entry layouts (key == role, pool address set), start the Mooncake engine
         and register every pool with it once; :meth:`close` closes it."""

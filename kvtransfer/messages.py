@@ -26,7 +26,8 @@ Version history:
       prefill refuses a different one at once (signed ``Fail`` "incompatible deployment: ...");
       ``Refuse``: prefill's UNSIGNED answer to a Register it cannot verify (another secret) or
       read (another protocol version), which decode takes as a hint only (see
-      :func:`peek_refusal`). Its shape and tag are frozen across versions.
+      :func:`peek_refusal`). Its shape and tag are frozen across versions. Complete carries
+      ``checksums`` (entry -> CRC32C per layer) when ``kv_checksum`` is on (checksum.py).
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class Complete(msgspec.Struct, tag="complete", frozen=True):
     room: int
     first_token: int
     extra: dict[str, ExtraValue] = {}
+    checksums: dict[str, list[int]] = {}  # entry -> CRC32C per layer (kv_checksum)
 
 
 class Fail(msgspec.Struct, tag="fail", frozen=True):

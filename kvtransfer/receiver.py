@@ -28,10 +28,11 @@ from zmq.utils.monitor import parse_monitor_message
 from . import messages as m
 from .config import TransferConfig
 from .control import ControlLoop, ReleaseCallback, TransferFailed
+from .faults import Faults
 from .identity import INCOMPATIBLE, reason_of
 from .layout import EntryLayout, check_compatible
 from .proof import SessionToken
-from .receiver_hints import ReceiverHints
+from .receiver_checks import ReceiverChecks
 from .receiver_staging import ReceiverStaging
 from .state import ReceiverRoom, RoomStatus
 
@@ -66,7 +67,7 @@ def check_address(addr: str) -> str:
     return addr
 
 
-class KVReceiver(ReceiverHints, ReceiverStaging, ControlLoop):
+class KVReceiver(ReceiverChecks, ReceiverStaging, ControlLoop):
     """``tensors`` (role -> the pool's tensor, optional): enables staged transfers (decode
     scatters chunks that prefill gathered from fragmented page tables)."""
 
@@ -77,6 +78,8 @@ class KVReceiver(ReceiverHints, ReceiverStaging, ControlLoop):
     ):
         super().__init__(config)
         self.open_engine(layouts)
+        self.keep_tensors(tensors)
+        self.faults = Faults.from_env()  # flip=P: corrupt landed KV before kv_checksum checks
         self.init_staging(tensors)
         self.session_id = self.engine.session_id
         self.token = SessionToken(self.engine)  # proves to prefill that we own this session
@@ -300,6 +303,10 @@ class KVReceiver(ReceiverHints, ReceiverStaging, ControlLoop):
                 self._fail(r.room, f"prefill {peer.addr}: {msg.reason}", other, (peer.addr,))
         elif isinstance(msg, m.Complete):
             if claimed == peer.addr:
+                bad = self.verify_checksums(r, msg)
+                if bad:  # prefill's writes are done (Complete): no quarantine needed
+                    self._fail(r.room, bad, None, (peer.addr,))
+                    return
                 with self.cond:
                     self._results[r.room] = (msg.first_token, dict(msg.extra))
                     while len(self._results) > self.config.tombstones:

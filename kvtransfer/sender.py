@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from . import messages as m
+from .checksum import entry_checksums
 from .config import TransferConfig
 from .control import ControlLoop, ReleaseCallback
 from .engine import Fence
@@ -56,6 +57,7 @@ class KVSender(SenderStaging, SenderInbox, ControlLoop):
     ):
         super().__init__(config)
         self.open_engine(layouts)
+        self.keep_tensors(tensors)
         self.init_staging(tensors)
         self.faults = Faults.from_env()
         if self.faults.active:
@@ -323,7 +325,13 @@ class KVSender(SenderStaging, SenderInbox, ControlLoop):
         if r.outstanding or r.queued:
             return
         first_token, extra = r.finish
-        self.send(self.router, m.Complete(r.room, first_token, extra), r.claim.ident)
+        sums = {}
+        if self.config.kv_checksum:  # every write landed: the source pages are what was sent
+            sums = {
+                role: entry_checksums(self.layouts[role], self.pool_tensors[role], pages)
+                for role, pages in (r.src_pages or {}).items()
+            }
+        self.send(self.router, m.Complete(r.room, first_token, extra, sums), r.claim.ident)
         self.advance(r, RoomStatus.Success)
         self.release(r)
 

@@ -184,6 +184,13 @@ class StageParams:
         "prefill locally too when every prefill server that is up has more queued prompt"
         " tokens than this (or none is up); `0` = never for load",
     )
+    kv_checksum: bool = _p(
+        False,
+        PDR,
+        "end-to-end KV integrity: prefill sends a CRC32C per entry and layer, decode verifies the"
+        " landed bytes before the request decodes; a mismatch fails the room (re-dispatched on a"
+        " decode server); must be equal in prefill and decode (checked at first contact)",
+    )
     failover_attempts: int = _p(
         3,
         ("decode",),
@@ -305,6 +312,7 @@ class StageParams:
                 transfer_timeout_s=self.transfer_timeout_s,
                 queue_timeout_s=self.queue_timeout_s,
                 shared_secret=self.secret or None,
+                kv_checksum=self.kv_checksum,
                 identity=self.identity() if identity else None,
             )
         except ValueError as e:

@@ -1,5 +1,6 @@
-"""Decode's handling of prefill's unsigned ``Refuse`` (a mixin of
-:class:`~kvtransfer.receiver.KVReceiver`, run on its control thread).
+"""Decode's checks of what prefill says about a room (a mixin of
+:class:`~kvtransfer.receiver.KVReceiver`, run on its control thread): the unsigned ``Refuse``
+hint, and the KV checksums in ``Complete`` (``kv_checksum``, see :mod:`.checksum`).
 
 Prefill answers a Register it cannot verify (another shared secret) or read (another protocol
 version) with an unsigned Refuse naming the reason and its key id. Nothing vouches for it, so
@@ -16,10 +17,21 @@ from __future__ import annotations
 import time
 
 from . import messages as m
+from .checksum import verify_room
 from .identity import reason_of
 
 
-class ReceiverHints:
+class ReceiverChecks:
+    def verify_checksums(self, r, msg: m.Complete) -> str | None:
+        """With ``kv_checksum``: the error when the landed KV of any entry differs from what
+        prefill summed (or prefill sent no checksums), else None."""
+        if not self.config.kv_checksum:
+            return None
+        pages = {role: r.pages[role] for role in r.roles}
+        return verify_room(
+            self.layouts, self.pool_tensors, pages, msg.checksums, self.faults.flips(r.room)
+        )
+
     def _on_refuse_hint(self, peer, hint: m.Refuse) -> None:
         """Prefill could not verify or read this room's Register (another secret or protocol):
         an UNSIGNED hint, so it may only end a room registered with that very peer and not yet
