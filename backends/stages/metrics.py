@@ -89,6 +89,34 @@ METRICS = [
 ]  # fmt: skip
 
 
+class Histogram(NamedTuple):
+    name: str
+    key: str  # key of the stage's observations (backends/stages/latency.py)
+    buckets: list[float]
+    doc: str
+
+
+_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+_ITL = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+_BYTES = [float(1 << (16 + 2 * i)) for i in range(9)]  # 64 KiB .. 4 GiB, x4
+# Prometheus histograms (Triton 2.51 python backend: MetricFamily.HISTOGRAM), per stage instance
+HISTOGRAMS = [
+    Histogram("pd_request_ttft_seconds", "ttft", _S,
+              "Time to first token per request (decode submit -> first token), s"),
+    Histogram("pd_request_itl_seconds", "itl", _ITL, "Inter-token latency (each interval), s"),
+    Histogram("pd_request_e2e_seconds", "e2e", _S,
+              "End-to-end latency per request (decode submit -> final response), s"),
+    Histogram("pd_request_queue_seconds", "queue", _S,
+              "Queue time per request (decode: submit -> pages registered with prefill;"
+              " prefill: queued -> compute start), s"),
+    Histogram("pd_kv_transfer_request_seconds", "kv_transfer", _S,
+              "KV transfer time per request (prefill: first group queued -> last landed;"
+              " decode: claim -> Complete), s"),
+    Histogram("pd_kv_transfer_request_bytes", "kv_bytes", _BYTES,
+              "KV bytes per request (target and draft entries)"),
+]  # fmt: skip
+
+
 # A decode server's router, per prefill server (label ``server`` = HOST:GRPC_PORT); keys of
 # PrefillRouter.stats()["servers"][server].
 ROUTER_METRICS = [
@@ -116,6 +144,8 @@ def reference_table() -> str:
         rows.append(f"| `{mt.name}{label}` | {mt.kind} | {mt.doc} |")
     for mt in ROUTER_METRICS:
         rows.append(f"| `{mt.name}{{stage, instance, server}}` | {mt.kind} | {mt.doc} |")
+    for h in HISTOGRAMS:
+        rows.append(f"| `{h.name}{{stage, instance}}` | histogram | {h.doc} |")
     return "\n".join(rows) + "\n"
 
 

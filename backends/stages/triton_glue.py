@@ -19,7 +19,7 @@ import numpy as np
 
 from . import errors
 from . import request as rq
-from .metrics import BY_REASON, INFO, METRICS, publish
+from .metrics import BY_REASON, HISTOGRAMS, INFO, METRICS, publish
 from .params import StageParams, from_triton_config
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,16 @@ def exception_response(pb, where: str, exc: BaseException):
 
 
 class StageMetrics:
-    def __init__(self, pb, stage: str, instance: str, stats_fn, interval: float = 0.25, info=None):
+    def __init__(
+        self,
+        pb,
+        stage: str,
+        instance: str,
+        stats_fn,
+        interval: float = 0.25,
+        info=None,
+        observations=None,  # backends/stages/latency.Observations -> the HISTOGRAMS
+    ):
         self.pb, self.stats_fn, self.interval = pb, stats_fn, interval
         self.labels = {"stage": stage, "instance": instance}
         mf = pb.MetricFamily
@@ -152,11 +161,22 @@ class StageMetrics:
             self.families.append(fam)
             self.info_metric = fam.Metric(labels={**self.labels, **info})
             self.info_metric.set(1.0)
+        self.observations, self.histograms = observations, {}
+        if observations is not None and hasattr(mf, "HISTOGRAM"):
+            for h in HISTOGRAMS:
+                fam = mf(name=h.name, description=h.doc, kind=mf.HISTOGRAM)
+                self.families.append(fam)
+                self.histograms[h.key] = fam.Metric(labels=self.labels, buckets=h.buckets)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="metrics", daemon=True)
         self._thread.start()
 
     def update(self) -> None:
+        if self.observations is not None:
+            for key, values in self.observations.drain().items():
+                metric = self.histograms.get(key)
+                for v in values if metric is not None else ():
+                    metric.observe(v)
         st = self.stats_fn()
         for kind, key, metric, last in self.metrics:
             if key not in st:

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 from triton_harness import MODEL, ROOT, free_port, http_post
@@ -88,6 +89,17 @@ def other_checkpoint(tmp) -> str:
     return str(out)
 
 
+def metrics_text(node: Node) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def count(text: str, name: str, stage: str) -> float:
+    """The ``_count`` of histogram ``name`` over the stage's instances."""
+    pat = rf'^{name}_count\{{[^}}]*stage="{stage}"[^}}]*\}} (\S+)$'
+    return sum(float(v) for v in re.findall(pat, text, re.M))
+
+
 def ask(node: Node) -> tuple[int, str, float]:
     t0 = time.monotonic()
     code, body = http_post(f"http://127.0.0.1:{node.http}/v2/models/ensemble/generate", ASK)
@@ -127,6 +139,19 @@ def test_mismatched_deployment_fails_fast_and_is_not_ready_until_fixed(tmp_path)
             time.sleep(0.5)
         code, body, _ = ask(d)
         assert code == 200 and ANSWER in body, body
+        # the latency histograms saw it (Triton 2.51 python backend: MetricFamily.HISTOGRAM;
+        # the glue drains the stages' observations every 0.25 s)
+        end = time.monotonic() + 5
+        while count(metrics_text(d), "pd_request_e2e_seconds", "decode") < 1:
+            assert time.monotonic() < end, metrics_text(d)[-3000:]
+            time.sleep(0.25)
+        dm, pm = metrics_text(d), metrics_text(p1) + metrics_text(p2)
+        for name in ("ttft", "e2e", "queue"):
+            assert count(dm, f"pd_request_{name}_seconds", "decode") == 1, name
+        assert count(dm, "pd_request_itl_seconds", "decode") >= 1
+        assert count(dm, "pd_kv_transfer_request_bytes", "decode") == 1
+        assert count(pm, "pd_kv_transfer_request_seconds", "prefill") == 1
+        assert re.search(r'pd_incompatible_refusals_total\{[^}]*reason="secret"[^}]*\} [1-9]', dm)
     finally:
         for n in nodes:
             n.stop()

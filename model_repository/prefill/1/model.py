@@ -35,7 +35,9 @@ class TritonPythonModel:
         self.identity = ForwardCheck(self.worker.sender.fingerprint)
         fp = self.identity.mine
         info = info_labels(fp) if fp else None
-        self.metrics = g.StageMetrics(pb, "prefill", name, self._stats, info=info)
+        self.metrics = g.StageMetrics(
+            pb, "prefill", name, self._stats, info=info, observations=self.worker.latency
+        )
         self.retirement = g.Retirement(name, self.worker.idle)
 
     def execute(self, requests):
