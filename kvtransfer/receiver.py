@@ -267,14 +267,8 @@ class KVReceiver(ReceiverChecks, ReceiverStaging, ControlLoop):
         if peer is None or len(frames) != 1:
             self.drop("garbage", f"{len(frames)} frames")
             return
-        raw = frames[0].bytes
-        try:
-            msg = self.verifier.decode(raw)
-        except m.MessageError as e:
-            self.drop(e.kind, e)
-            hint = m.peek_refusal(raw) if e.kind in ("auth", "version") else None
-            if hint is not None:
-                self._on_refuse_hint(peer, hint)
+        msg = self.decode_or_hint(peer, frames[0].bytes)
+        if msg is None:
             return
         peer.last_rx = time.monotonic()
         if isinstance(msg, m.Pong):

@@ -32,6 +32,22 @@ class ReceiverChecks:
             self.layouts, self.pool_tensors, pages, msg.checksums, self.faults.flips(r.room)
         )
 
+    def decode_or_hint(self, peer, raw: bytes) -> m.Message | None:
+        """A verified message, else None; a Refuse (unsigned: it fails verification, unless
+        this side has no secret) goes to :meth:`_on_refuse_hint` either way."""
+        try:
+            msg = self.verifier.decode(raw)
+        except m.MessageError as e:
+            self.drop(e.kind, e)
+            hint = m.peek_refusal(raw) if e.kind in ("auth", "version") else None
+            if hint is not None:
+                self._on_refuse_hint(peer, hint)
+            return None
+        if isinstance(msg, m.Refuse):
+            self._on_refuse_hint(peer, msg)
+            return None
+        return msg
+
     def _on_refuse_hint(self, peer, hint: m.Refuse) -> None:
         """Prefill could not verify or read this room's Register (another secret or protocol):
         an UNSIGNED hint, so it may only end a room registered with that very peer and not yet

@@ -68,9 +68,11 @@ def stage_identity(p: StageParams) -> Identity:
     return Identity(checkpoint_digest(p.model_path), name, draft, kv)
 
 
-def stage_fingerprint(p: StageParams):
-    """The full fingerprint (protocol, key id of the secret in effect, identity)."""
-    return fingerprint(stage_identity(p), p.secret or None, PROTOCOL_VERSION)
+def stage_fingerprint(p: StageParams) -> Fingerprint | None:
+    """The full fingerprint (protocol, key id of the secret in effect, identity); None when the
+    checkpoint cannot be read (then nothing is checked against it)."""
+    ident = p.identity()
+    return None if ident is None else fingerprint(ident, p.secret or None, PROTOCOL_VERSION)
 
 
 # ---- first contact over Triton gRPC: the router's forwarded request carries its fingerprint --

@@ -95,3 +95,15 @@ def test_prefill_without_secret_refuses_a_signing_decode(spawn):
     status, reason = decode.wait(1, 10)
     assert status == "Failed" and time.monotonic() - t0 < 5
     assert "secret differs (prefill key id none, decode key id" in reason
+
+
+def test_decode_without_secret_hears_a_signing_prefill(spawn):
+    """The other way round: decode signs nothing, prefill drops its Registers as unsigned and
+    answers Refuse, which decode (no secret: nothing to verify) reads as the same hint."""
+    prefill = spawn("prefill", ENTRIES, shared_secret=SECRET_A, identity=SMOL)
+    decode = spawn("decode", ENTRIES, identity=SMOL, transfer_timeout_s=1.0)
+    t0 = time.monotonic()
+    _register(prefill, decode, 1)
+    status, reason = decode.wait(1, 10)
+    assert status == "Failed" and time.monotonic() - t0 < 5
+    assert "incompatible deployment: secret differs" in reason and "decode key id none" in reason
