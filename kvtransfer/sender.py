@@ -76,6 +76,7 @@ class KVSender(SenderStaging, SenderInbox, ControlLoop):
         # rooms decode aborted, or whose registration was refused, before the stage took them:
         # room -> the reason the room fails with when it is expected / started
         self._ended_early: OrderedDict[int, str] = OrderedDict()
+        self._refuse_window, self._refuse_sent = 0.0, 0  # unsigned Refuse rate limit (1 s)
         self.start()
 
     # ---- public API (any thread) -------------------------------------------------------------

@@ -62,7 +62,7 @@ class SenderInbox:
         now = time.monotonic()
         if got is None:
             return
-        if now - getattr(self, "_refuse_window", 0.0) >= 1.0:
+        if now - self._refuse_window >= 1.0:
             self._refuse_window, self._refuse_sent = now, 0
         if self._refuse_sent >= REFUSE_PER_S:
             return

@@ -122,6 +122,7 @@ def test_mismatched_deployment_fails_fast_and_is_not_ready_until_fixed(tmp_path)
         started([n.start() for n in nodes])  # every server reports ready to serve.sh
         code, body, took = ask(d)
         assert code != 200 and took < 5, (code, body, took)
+        print(f"[identity] first request failed in {took:.2f} s: {body}")
         # from a refused forward ("prefill: ...") or from the fingerprint a server publishes
         for node, what in ((p1, "secret differs"), (p2, "model differs")):
             cause = rf"127\.0\.0\.1:{node.grpc}: (prefill: )?incompatible deployment: {what}"
