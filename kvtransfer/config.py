@@ -5,6 +5,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
+from .identity import Identity
+
 PROTOCOLS = ("tcp", "rdma")
 
 # Measured with mooncake-transfer-engine 0.3.13: a TCP lane queues about 2048 entries; a batch
@@ -48,6 +50,11 @@ class TransferConfig:
     staging_slots: prefill's local slots (gathered chunks), at most ``staging_inflight``
         writes in flight; decode: ``staging_recv_slots`` slots lent to rooms,
         ``staging_grants_per_room`` at most per room.
+    kv_checksum: prefill sends a CRC32C per entry and layer of the room's KV in Complete and
+        decode verifies it over the bytes that landed before the room may run (checksum.py);
+        a mismatch fails the room. Both sides must agree (it is part of the fingerprint).
+    identity: the stage's model identity (kvtransfer/identity.py); with it, decode sends its
+        fingerprint in every Register and prefill refuses a different one at once.
     """
 
     host: str = "127.0.0.1"
@@ -73,6 +80,8 @@ class TransferConfig:
     staging_recv_slots: int = 12
     staging_grants_per_room: int = 3
     staging_min_copy_bytes: int = 512 << 10
+    kv_checksum: bool = False
+    identity: Identity | None = None
 
     def __post_init__(self) -> None:
         try:

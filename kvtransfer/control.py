@@ -26,6 +26,7 @@ import zmq
 from . import messages as m
 from .config import TransferConfig
 from .engine import Engine
+from .identity import fingerprint
 from .layout import EntryLayout
 from .state import ReleaseCallback, Room, RoomStatus, RoomTable
 from .stats import TransferStats
@@ -58,6 +59,12 @@ class ControlLoop:
         self.dropped: dict[str, int] = {}  # dropped frames by kind
         self.loop_errors = 0
         self.verifier = m.Verifier(config.shared_secret, config.max_message_age_s)
+        self.fingerprint = (
+            fingerprint(config.identity, config.shared_secret, m.PROTOCOL_VERSION)
+            if config.identity is not None
+            else None
+        )
+        self.refusals: dict[str, int] = {}  # incompatible-deployment refusals by reason
         self.ctx = zmq.Context()
         self.poller = zmq.Poller()
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -70,6 +77,11 @@ class ControlLoop:
     # ---- plumbing ----------------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """The control loop runs (its endpoints are bound and served)."""
+        return self._thread.is_alive() and not self._stop
 
     def socket(self, kind: int, max_frame: int = CONTROL_FRAME_BYTES) -> zmq.Socket:
         """A socket the loop polls; a peer sending a frame over ``max_frame`` is disconnected."""
@@ -105,8 +117,10 @@ class ControlLoop:
                 f"{self.name}: no answer from the control loop in {timeout:g}s"
             ) from None
 
-    def send(self, sock: zmq.Socket, msg: m.Message, ident: bytes | None = None) -> None:
-        frame = m.encode(msg, self.config.shared_secret)
+    def send(
+        self, sock: zmq.Socket, msg: m.Message, ident: bytes | None = None, signed: bool = True
+    ) -> None:
+        frame = m.encode(msg, self.config.shared_secret if signed else None)
         try:
             if ident is None:
                 sock.send(frame, zmq.NOBLOCK)
@@ -122,6 +136,12 @@ class ControlLoop:
             log.warning(
                 "%s: dropped a control frame (%s: %s) [%d so far]", self.name, kind, detail, n
             )
+
+    def count_refusal(self, reason: str, detail: str) -> None:
+        """Count an incompatible-deployment refusal (sent or received); log it rarely."""
+        if m.count_drop(self.refusals, reason):
+            n = self.refusals[reason]
+            log.error("%s: %s [%d refusals for %s so far]", self.name, detail, n, reason)
 
     def decode(self, frame: bytes) -> m.Message | None:
         try:
@@ -242,12 +262,20 @@ class ControlLoop:
         snap["live_rooms"] = len(self.rooms)
         snap["dropped_frames"] = dict(self.dropped)
         snap["dropped_total"] = sum(self.dropped.values())
+        snap["refusals"] = dict(self.refusals)
         snap["loop_errors"] = self.loop_errors + self.engine.worker_errors
         return snap
 
     def stats_for(self, room: int) -> dict | None:
         """Per-room detail: bytes, seconds, and one record per layer group (sender side)."""
         return self.transfer_stats.get_room(room)
+
+    def keep_tensors(self, tensors: dict | None) -> None:
+        """The pools' tensors (role -> tensor): kv_checksum reads the room's bytes through them."""
+        self.pool_tensors = dict(tensors or {})
+        missing = [r for r in self.layouts if self.pool_tensors.get(r) is None]
+        if self.config.kv_checksum and missing:
+            raise ValueError(f"kv_checksum needs the pools' tensors (missing: {missing})")
 
     def open_engine(self, layouts: dict[str, EntryLayout]) -> None:
         """Check the entry layouts (key == role, pool address set), start the Mooncake engine

@@ -5,6 +5,8 @@
 * ``fail``: the share of rooms whose KV writes fail (chosen from the room id and the seed, so
   every group of a chosen room fails and the choice is reproducible), after ``delay`` when
   one is set (a write that fails late, e.g. after the first token went to decode);
+* ``flip`` (in a RECEIVER's environment): the share of rooms in which decode flips one bit of the
+  landed KV (first page, layer 0) right before it verifies ``kv_checksum`` (a corrupted write);
 * ``delay``: seconds every layer group waits (on the transfer worker, like a slow completion
   fence) before its writes go out, to hold rooms in the Transferring phase.
 
@@ -25,6 +27,7 @@ ENV = "KVTRANSFER_FAULTS"
 class Faults:
     fail: float = 0.0
     delay_s: float = 0.0
+    flip: float = 0.0
     seed: int = 0
 
     @classmethod
@@ -33,21 +36,28 @@ class Faults:
         kw: dict = {}
         for item in filter(None, (x.strip() for x in raw.split(","))):
             key, _, v = item.partition("=")
-            if key not in ("fail", "delay", "seed") or not v:
-                raise ValueError(f"{ENV}: {item!r} is not fail=P, delay=S or seed=N")
+            if key not in ("fail", "delay", "seed", "flip") or not v:
+                raise ValueError(f"{ENV}: {item!r} is not fail=P, delay=S, flip=P or seed=N")
             kw["delay_s" if key == "delay" else key] = int(v) if key == "seed" else float(v)
         return cls(**kw)
 
     @property
     def active(self) -> bool:
-        return self.fail > 0 or self.delay_s > 0
+        return self.fail > 0 or self.delay_s > 0 or self.flip > 0
 
     def fails(self, room: int) -> bool:
         """Whether this room's writes are to fail (deterministic per room and seed)."""
-        if self.fail <= 0:
+        return self._chosen(room, self.fail)
+
+    def flips(self, room: int) -> bool:
+        """Whether decode corrupts this room's landed KV (deterministic per room and seed)."""
+        return self._chosen(room, self.flip)
+
+    def _chosen(self, room: int, share: float) -> bool:
+        if share <= 0:
             return False
         h = hashlib.sha256(f"{self.seed}:{room}".encode()).digest()
-        return int.from_bytes(h[:8], "big") / 2**64 < self.fail
+        return int.from_bytes(h[:8], "big") / 2**64 < share
 
     def delayed(self, fence):
         """``fence`` that also waits ``delay_s`` from now (None when no delay is set)."""

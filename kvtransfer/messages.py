@@ -21,6 +21,13 @@ Version history:
       asks for slots for a room), Grant (decode lends one slot to that room), Staged (a chunk
       landed in a granted slot; decode scatters it into the room's own pages); FirstToken
       (prefill sends the room's first token as soon as it is sampled, before the KV landed).
+  5 — deployment identity at first contact: Register carries decode's ``Fingerprint``
+      (protocol, key id of the secret, model / draft digests, KV dtype and page size) and
+      prefill refuses a different one at once (signed ``Fail`` "incompatible deployment: ...");
+      ``Refuse``: prefill's UNSIGNED answer to a Register it cannot verify (another secret) or
+      read (another protocol version), which decode takes as a hint only (see
+      :func:`peek_refusal`). Its shape and tag are frozen across versions. Complete carries
+      ``checksums`` (entry -> CRC32C per layer) when ``kv_checksum`` is on (checksum.py).
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ from collections import OrderedDict
 
 import msgspec
 
-PROTOCOL_VERSION = 4
+from .identity import Fingerprint
+
+PROTOCOL_VERSION = 5
 
 Scalar = int | float | str
 ExtraValue = int | float | str | list[Scalar]
@@ -64,6 +73,8 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     staging_addr: int = 0
     staging_slots: int = 0
     staging_slot_bytes: int = 0
+    # decode's deployment identity (kvtransfer/identity.py); prefill refuses a different one
+    fingerprint: Fingerprint | None = None
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):
@@ -79,6 +90,7 @@ class Complete(msgspec.Struct, tag="complete", frozen=True):
     room: int
     first_token: int
     extra: dict[str, ExtraValue] = {}
+    checksums: dict[str, list[int]] = {}  # entry -> CRC32C per layer (kv_checksum)
 
 
 class Fail(msgspec.Struct, tag="fail", frozen=True):
@@ -145,9 +157,27 @@ class FirstToken(msgspec.Struct, tag="first_token", frozen=True):
     token: int
 
 
+class Refuse(msgspec.Struct, tag="refuse", frozen=True):
+    """prefill -> decode, UNSIGNED: "I cannot take room R's Register": another secret (the MAC
+    did not verify) or another protocol version. Carries only prefill's key id, protocol and the
+    reason; decode treats it as a hint (it can fail the unclaimed room early, never change data).
+    Frozen across protocol versions: any version reads it (:func:`peek_refusal`)."""
+
+    room: int
+    reason: str
+    key_id: str = ""
+    protocol: int = 0
+
+
+class _RoomOf(msgspec.Struct, tag="register"):
+    """Any version's Register, read only for its room (to answer it with a Refuse)."""
+
+    room: int
+
+
 Message = (
     Register | Ack | Complete | Fail | Abort | Ping | Pong | Cancel | Want | Grant | Staged
-    | FirstToken
+    | FirstToken | Refuse
 )  # fmt: skip
 
 
@@ -171,6 +201,9 @@ class MessageError(ValueError):
 _env_enc = msgspec.msgpack.Encoder()
 _env_dec = msgspec.msgpack.Decoder(Envelope)
 _msg_dec = msgspec.msgpack.Decoder(Message)
+_any_env_dec = msgspec.msgpack.Decoder(Envelope)
+_refuse_dec = msgspec.msgpack.Decoder(Refuse)
+_room_of_dec = msgspec.msgpack.Decoder(_RoomOf)
 
 
 def count_drop(counts: dict[str, int], kind: str) -> bool:
@@ -182,6 +215,30 @@ def count_drop(counts: dict[str, int], kind: str) -> bool:
 
 def _mac(secret: bytes, version: int, t: float, payload: bytes) -> bytes:
     return hmac.new(secret, struct.pack(">Hd", version, t) + payload, hashlib.sha256).digest()
+
+
+def encode_unsigned(msg: Message, now: float | None = None) -> bytes:
+    """A frame without a MAC (only a :class:`Refuse` is ever sent that way)."""
+    return encode(msg, None, now)
+
+
+def peek_refusal(frame: bytes) -> Refuse | None:
+    """The :class:`Refuse` in a frame that did not verify (unsigned, or another version), else
+    None. Untrusted: the caller may only use it to fail a room early."""
+    try:
+        return _refuse_dec.decode(_any_env_dec.decode(frame).p)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def peek_register(frame: bytes) -> tuple[int, int] | None:
+    """(envelope version, room) of a Register frame of any protocol version, read WITHOUT its
+    MAC being checked (to answer it with a Refuse), else None."""
+    try:
+        env = _any_env_dec.decode(frame)
+        return env.v, _room_of_dec.decode(env.p).room
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 def encode(msg: Message, secret: bytes | None = None, now: float | None = None) -> bytes:

@@ -28,8 +28,11 @@ from zmq.utils.monitor import parse_monitor_message
 from . import messages as m
 from .config import TransferConfig
 from .control import ControlLoop, ReleaseCallback, TransferFailed
+from .faults import Faults
+from .identity import INCOMPATIBLE, reason_of
 from .layout import EntryLayout, check_compatible
 from .proof import SessionToken
+from .receiver_checks import ReceiverChecks
 from .receiver_staging import ReceiverStaging
 from .state import ReceiverRoom, RoomStatus
 
@@ -64,7 +67,7 @@ def check_address(addr: str) -> str:
     return addr
 
 
-class KVReceiver(ReceiverStaging, ControlLoop):
+class KVReceiver(ReceiverChecks, ReceiverStaging, ControlLoop):
     """``tensors`` (role -> the pool's tensor, optional): enables staged transfers (decode
     scatters chunks that prefill gathered from fragmented page tables)."""
 
@@ -75,6 +78,8 @@ class KVReceiver(ReceiverStaging, ControlLoop):
     ):
         super().__init__(config)
         self.open_engine(layouts)
+        self.keep_tensors(tensors)
+        self.faults = Faults.from_env()  # flip=P: corrupt landed KV before kv_checksum checks
         self.init_staging(tensors)
         self.session_id = self.engine.session_id
         self.token = SessionToken(self.engine)  # proves to prefill that we own this session
@@ -125,6 +130,7 @@ class KVReceiver(ReceiverStaging, ControlLoop):
             self.token.addr,
             self.token.token,
             **self.staging_fields(),
+            fingerprint=self.fingerprint,
         )
         self.call_sync(self._register, reg, addrs, on_release, on_fail, on_first)
 
@@ -261,7 +267,7 @@ class KVReceiver(ReceiverStaging, ControlLoop):
         if peer is None or len(frames) != 1:
             self.drop("garbage", f"{len(frames)} frames")
             return
-        msg = self.decode(frames[0].bytes)
+        msg = self.decode_or_hint(peer, frames[0].bytes)
         if msg is None:
             return
         peer.last_rx = time.monotonic()
@@ -284,11 +290,17 @@ class KVReceiver(ReceiverStaging, ControlLoop):
             if claimed is None:
                 self._on_ack(r, peer, msg)
         elif isinstance(msg, m.Fail):
+            if INCOMPATIBLE in msg.reason and claimed is None:
+                self.count_refusal(reason_of(msg.reason), f"room {r.room}: {msg.reason}")
             if claimed in (None, peer.addr):  # that prefill's writes (if any) drained
                 other = None if claimed else "another prefill failed the room"
                 self._fail(r.room, f"prefill {peer.addr}: {msg.reason}", other, (peer.addr,))
         elif isinstance(msg, m.Complete):
             if claimed == peer.addr:
+                bad = self.verify_checksums(r, msg)
+                if bad:  # prefill's writes are done (Complete): no quarantine needed
+                    self._fail(r.room, bad, None, (peer.addr,))
+                    return
                 with self.cond:
                     self._results[r.room] = (msg.first_token, dict(msg.extra))
                     while len(self._results) > self.config.tombstones:
@@ -348,6 +360,8 @@ class KVReceiver(ReceiverStaging, ControlLoop):
             try:
                 if not r.status.ended:
                     self._tick_room(r, now, active)
+                else:
+                    self.expire_hint_quarantine(r, now)
             except Exception:  # one room's trouble never stops the others' timeouts
                 self.loop_errors += 1
                 log.exception("kv-receiver: tick of room %d failed", r.room)

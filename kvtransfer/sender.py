@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from . import messages as m
+from .checksum import entry_checksums
 from .config import TransferConfig
 from .control import ControlLoop, ReleaseCallback
 from .engine import Fence
@@ -56,6 +57,7 @@ class KVSender(SenderStaging, SenderInbox, ControlLoop):
     ):
         super().__init__(config)
         self.open_engine(layouts)
+        self.keep_tensors(tensors)
         self.init_staging(tensors)
         self.faults = Faults.from_env()
         if self.faults.active:
@@ -74,6 +76,7 @@ class KVSender(SenderStaging, SenderInbox, ControlLoop):
         # rooms decode aborted, or whose registration was refused, before the stage took them:
         # room -> the reason the room fails with when it is expected / started
         self._ended_early: OrderedDict[int, str] = OrderedDict()
+        self._refuse_window, self._refuse_sent = 0.0, 0  # unsigned Refuse rate limit (1 s)
         self.start()
 
     # ---- public API (any thread) -------------------------------------------------------------
@@ -323,7 +326,13 @@ class KVSender(SenderStaging, SenderInbox, ControlLoop):
         if r.outstanding or r.queued:
             return
         first_token, extra = r.finish
-        self.send(self.router, m.Complete(r.room, first_token, extra), r.claim.ident)
+        sums = {}
+        if self.config.kv_checksum:  # every write landed: the source pages are what was sent
+            sums = {
+                role: entry_checksums(self.layouts[role], self.pool_tensors[role], pages)
+                for role, pages in (r.src_pages or {}).items()
+            }
+        self.send(self.router, m.Complete(r.room, first_token, extra, sums), r.claim.ident)
         self.advance(r, RoomStatus.Success)
         self.release(r)
 

@@ -5,6 +5,12 @@ A Register is served only once its connection proved it owns the Mooncake sessio
 (:mod:`.proof`); until then the connection's registrations are held (at most
 ``max_pending_per_peer``). One that fails a check is refused to that connection only: a hostile
 or broken peer can fail only its own registrations, never another peer's room.
+
+Deployment identity (protocol 5): a Register whose fingerprint differs from prefill's is refused
+at once with a signed ``Fail`` "incompatible deployment: <field> differs ...". A Register frame
+that does not verify (another secret) or is of another protocol version cannot be trusted, so
+it is answered with an UNSIGNED ``Refuse`` that carries only this side's key id, protocol and the
+reason, to that connection only, at most ``REFUSE_PER_S`` a second (decode takes it as a hint).
 """
 
 from __future__ import annotations
@@ -14,10 +20,12 @@ import time
 import zmq
 
 from . import messages as m
+from .identity import INCOMPATIBLE, refusal
 from .registration import RegistrationError, check_entries
 from .state import RoomStatus
 
 MAX_PENDING_REGISTRATIONS = 4096
+REFUSE_PER_S = 100  # unsigned Refuse answers, all connections together
 
 
 class SenderInbox:
@@ -25,9 +33,13 @@ class SenderInbox:
         if len(frames) != 2:
             self.drop("garbage", f"{len(frames)} frames")
             return
-        ident = frames[0].bytes
-        msg = self.decode(frames[1].bytes)
-        if msg is None:
+        ident, raw = frames[0].bytes, frames[1].bytes
+        try:
+            msg = self.verifier.decode(raw)
+        except m.MessageError as e:
+            self.drop(e.kind, e)
+            if e.kind in ("auth", "version"):
+                self._refuse_unverified(ident, raw, e.kind)
             return
         if isinstance(msg, m.Ping):
             self.send(self.router, m.Pong(msg.seq), ident)
@@ -44,7 +56,58 @@ class SenderInbox:
         self.drop("hostile", f"room {reg.room}: {why}")
         self.send(self.router, m.Fail(reg.room, f"registration refused: {why}"), ident)
 
+    def _refuse_unverified(self, ident: bytes, raw: bytes, kind: str) -> None:
+        """Answer a Register we cannot verify or read with an unsigned Refuse (a hint)."""
+        got = m.peek_register(raw)
+        now = time.monotonic()
+        if got is None:
+            return
+        if now - self._refuse_window >= 1.0:
+            self._refuse_window, self._refuse_sent = now, 0
+        if self._refuse_sent >= REFUSE_PER_S:
+            return
+        self._refuse_sent += 1
+        version, room = got
+        fp = self.fingerprint
+        if kind == "version":
+            label = "protocol"
+            why = f"protocol {m.PROTOCOL_VERSION} vs {version} (prefill vs decode)"
+        else:
+            label = "secret"
+            why = (
+                f"secret differs (prefill key id {fp.key_id if fp else '?'}): this prefill cannot"
+                " verify decode's signed messages; give every server the same --secret-file"
+            )
+        msg = f"{INCOMPATIBLE}: {why}"
+        self.count_refusal(label, f"refused room {room}: {msg}")
+        refuse = m.Refuse(room, msg, fp.key_id if fp else "", m.PROTOCOL_VERSION)
+        self.send(self.router, refuse, ident, signed=False)
+
+    def _refuse_incompatible(self, ident: bytes, reg: m.Register) -> bool:
+        """Refuse (signed Fail) a Register whose deployment fingerprint differs from ours."""
+        if self.fingerprint is None or reg.fingerprint is None:
+            return False
+        got = refusal(self.fingerprint, reg.fingerprint)
+        if got is None:
+            return False
+        label, msg = got
+        self.count_refusal(label, f"refused room {reg.room}: {msg}")
+        if not self._registered_by_other(ident, reg.room):  # another peer's room stays theirs
+            r = self.rooms.get(reg.room)
+            if r is not None and r.claim is None and not r.status.ended:
+                self._fail(reg.room, msg, False)
+            elif r is None and not self.rooms.ended(reg.room):
+                self._end_early(reg.room, msg)
+        if label == "secret":  # decode cannot verify what we sign: the unsigned hint
+            fp = self.fingerprint
+            self.send(self.router, m.Refuse(reg.room, msg, fp.key_id, fp.protocol), ident, False)
+        else:
+            self.send(self.router, m.Fail(reg.room, msg), ident)
+        return True
+
     def _on_register(self, ident: bytes, peer_address: str | None, reg: m.Register) -> None:
+        if self._refuse_incompatible(ident, reg):
+            return
         try:
             self.peers.check(ident, peer_address, reg)
         except RegistrationError as e:

@@ -103,6 +103,7 @@ class ReceiverRoom(Room):
     # ended by decode while a prefill may still write into the pages: the peers whose drain
     # (their Fail) or disconnection is awaited before the pages are released (quarantine)
     quarantine: set[str] | None = None
+    quarantine_until: float = 0.0  # a Refuse hint's room: released then at the latest
 
 
 class RoomTable:

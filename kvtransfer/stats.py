@@ -57,6 +57,8 @@ class TransferStats:
         self.total_seconds = 0.0
         self.rooms_ok = 0
         self.rooms_failed = 0
+        # called (nbytes, seconds) once per room that succeeded, outside the lock (histograms)
+        self.observer = None
 
     def room(self, room: int) -> RoomStat:
         with self._lock:
@@ -90,6 +92,9 @@ class TransferStats:
             else:
                 self.rooms_failed += 1
                 self.failures[reason_key(reason)] += 1
+            done = (st.nbytes, st.transfer_seconds) if ok and st.groups else None
+        if done is not None and self.observer is not None:
+            self.observer(*done)
 
     def get_room(self, room: int) -> dict | None:
         with self._lock:

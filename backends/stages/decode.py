@@ -47,6 +47,7 @@ from .decode_control import DecodeControl
 from .decode_failover import LOCAL, DecodeFailover
 from .decode_state import ActiveRequest, DecodeEvent, Emit, Phase
 from .draft import DRAFT, explain_failure, load_stage_draft, make_draft_pool, spec_stats
+from .latency import Observations
 from .params import StageParams
 from .request import StageRequest, first_logprob
 from .trace import TraceWriter
@@ -104,6 +105,8 @@ class DecodeWorker(DecodeControl, DecodeFailover):
         self._running: dict[str, ActiveRequest] = {}  # seq id -> in the engine
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.counters.update(ttft_sum=0.0, ttft_count=0, itl_sum=0.0, itl_count=0)
+        self.latency = Observations()  # histograms (backends/stages/latency.py)
+        self.receiver.transfer_stats.observer = self.latency.room_done
         self._stop = False
         self._last_poll = 0.0
         self._init_failover(params)  # re-dispatch to another prefill server (decode role)
@@ -377,6 +380,7 @@ class DecodeWorker(DecodeControl, DecodeFailover):
             else:
                 c["itl_sum"] += now - r.t["last_token"]
                 c["itl_count"] += 1
+                self.latency.observe("itl", now - r.t["last_token"])
             r.t["last_token"] = now
             final = seq_id in reasons
             if r.req.stream and tokens and not final:

@@ -47,6 +47,7 @@ class DecodeControl:
             return
         r.phase = Phase.DONE
         r.t["finished"] = time.time()
+        self.latency.request_done(r.t)
         if error:
             self.counters["failed"] += 1
             ev = DecodeEvent(final=True, error=error, error_kind=kind)

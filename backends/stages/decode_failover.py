@@ -52,7 +52,7 @@ class DecodeFailover:
         if params.prefill_servers:
             self.router = PrefillRouter(
                 params.servers(), params.route_timeout_s, params.probe_interval_s,
-                name=f"{self.name}-failover",
+                name=f"{self.name}-failover", fingerprint=self.receiver.fingerprint,
             )  # fmt: skip
         self._rerouted: deque[tuple[ActiveRequest, str | None]] = deque()
         self._local: deque[ActiveRequest] = deque()  # to prefill in this engine

@@ -71,7 +71,7 @@ def make_draft_pool(params: StageParams, draft: ModelRunner) -> KVPool:
 
 def explain_failure(reason: str) -> str:
     """Add the likely cause to a room failure about the draft entry (decode's error message)."""
-    if "incompatible layout" in reason and DRAFT in reason:
+    if ("incompatible layout" in reason and DRAFT in reason) or "draft model differs" in reason:
         return (
             f"{reason} (speculative decoding must be configured identically in prefill and"
             " decode: spec_enabled, draft_model_dir / draft_layers)"

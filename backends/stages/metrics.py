@@ -3,7 +3,9 @@
 Each stage core's ``stats()`` snapshot holds cumulative totals and current values under the
 keys below; the Triton glue exports the ones a stage reports (counters from the totals, gauges as
 is) with labels ``stage`` and ``instance``. ``docs/metrics.md`` is generated from this table.
-Failures by reason are one more counter family, ``pd_kv_transfer_failures_total{reason}``.
+Failures by reason are one more counter family, ``pd_kv_transfer_failures_total{reason}``, and
+so are refusals of another deployment's peers, ``pd_incompatible_refusals_total{reason}``;
+``pd_deployment_info`` carries the stage's fingerprint (kvtransfer/identity.py) as labels.
 """
 
 from __future__ import annotations
@@ -22,8 +24,22 @@ C, G = "counter", "gauge"
 FAILURES = Metric(
     "pd_kv_transfer_failures_total", C, "failures", "KV transfers that failed, by reason"
 )
+REFUSALS = Metric(
+    "pd_incompatible_refusals_total", C, "refusals",
+    "Peers of another deployment refused (prefill) or refusing (decode, router), by reason:"
+    " secret / model / draft / kv / protocol differ",
+)  # fmt: skip
+INFO = Metric(
+    "pd_deployment_info", G, "",
+    "Always 1; its labels are the stage's deployment fingerprint (protocol, key_id of the"
+    " secret, model digest, model_name, draft, kv): what a router compares before routing",
+)  # fmt: skip
+BY_REASON = (FAILURES, REFUSALS)
 
 METRICS = [
+    Metric("pd_ready", G, "ready",
+           "1 when the stage can serve, else 0 (a decode server's router: no compatible"
+           " prefill server is up and it may not prefill locally; prefill: KV endpoint down)"),
     Metric("pd_ttft_seconds_total", C, "ttft_sum",
            "Sum of time to first token (decode submit -> first token), s"),
     Metric("pd_ttft_requests_total", C, "ttft_count", "Requests with a first token"),
@@ -73,6 +89,34 @@ METRICS = [
 ]  # fmt: skip
 
 
+class Histogram(NamedTuple):
+    name: str
+    key: str  # key of the stage's observations (backends/stages/latency.py)
+    buckets: list[float]
+    doc: str
+
+
+_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+_ITL = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+_BYTES = [float(1 << (16 + 2 * i)) for i in range(9)]  # 64 KiB .. 4 GiB, x4
+# Prometheus histograms (Triton 2.51 python backend: MetricFamily.HISTOGRAM), per stage instance
+HISTOGRAMS = [
+    Histogram("pd_request_ttft_seconds", "ttft", _S,
+              "Time to first token per request (decode submit -> first token), s"),
+    Histogram("pd_request_itl_seconds", "itl", _ITL, "Inter-token latency (each interval), s"),
+    Histogram("pd_request_e2e_seconds", "e2e", _S,
+              "End-to-end latency per request (decode submit -> final response), s"),
+    Histogram("pd_request_queue_seconds", "queue", _S,
+              "Queue time per request (decode: submit -> pages registered with prefill;"
+              " prefill: queued -> compute start), s"),
+    Histogram("pd_kv_transfer_request_seconds", "kv_transfer", _S,
+              "KV transfer time per request (prefill: first group queued -> last landed;"
+              " decode: claim -> Complete), s"),
+    Histogram("pd_kv_transfer_request_bytes", "kv_bytes", _BYTES,
+              "KV bytes per request (target and draft entries)"),
+]  # fmt: skip
+
+
 # A decode server's router, per prefill server (label ``server`` = HOST:GRPC_PORT); keys of
 # PrefillRouter.stats()["servers"][server].
 ROUTER_METRICS = [
@@ -83,6 +127,9 @@ ROUTER_METRICS = [
     Metric("pd_router_lost_total", C, "lost",
            "Forwards whose connection broke after its answer (the server died or went away)"),
     Metric("pd_router_server_up", G, "up", "1 while the server is routed to, 0 while down"),
+    Metric("pd_router_server_incompatible", G, "incompatible",
+           "1 while the server is of another deployment (secret, model, draft, KV layout or"
+           " protocol differs; the reason is in the log and the client's error), else 0"),
     Metric("pd_router_load_tokens", G, "load",
            "Queued prompt tokens the router sees there (its metric + this router's since)"),
 ]  # fmt: skip
@@ -91,11 +138,14 @@ ROUTER_METRICS = [
 def reference_table() -> str:
     """The metrics reference (markdown), generated from :data:`METRICS`."""
     rows = ["| metric | kind | meaning |", "|---|---|---|"]
-    for mt in [*METRICS, FAILURES]:
-        label = "{stage, instance, reason}" if mt is FAILURES else "{stage, instance}"
+    for mt in [*METRICS, *BY_REASON, INFO]:
+        label = "{stage, instance, reason}" if mt in BY_REASON else "{stage, instance}"
+        label = "{stage, instance, protocol, key_id, model, ...}" if mt is INFO else label
         rows.append(f"| `{mt.name}{label}` | {mt.kind} | {mt.doc} |")
     for mt in ROUTER_METRICS:
         rows.append(f"| `{mt.name}{{stage, instance, server}}` | {mt.kind} | {mt.doc} |")
+    for h in HISTOGRAMS:
+        rows.append(f"| `{h.name}{{stage, instance}}` | histogram | {h.doc} |")
     return "\n".join(rows) + "\n"
 
 

@@ -27,6 +27,9 @@ STAGES = ("preprocess", "prefill", "decode", "postprocess", "router")
 MODEL_STAGES = ("preprocess", "prefill", "decode", "postprocess")  # the ones that read the model
 PD = ("prefill", "decode")
 ROUTED = ("router", "decode")  # a decode server's router (and decode's failover re-dispatch)
+# what a deployment's fingerprint is made of: the router needs it too, to check prefill servers
+IDENTITY = (*MODEL_STAGES, "router")
+PDR = (*PD, "router")
 _TC, _LG = TransferConfig, LayerGroupPolicy  # dataclass defaults are class attributes
 SECRET_ENV = "PD_SHARED_SECRET"
 
@@ -39,10 +42,10 @@ def _p(default, stages: tuple[str, ...], doc: str):
 class StageParams:
     model_dir: str = _p(
         DEFAULT_MODEL,
-        MODEL_STAGES,
+        IDENTITY,
         "HF checkpoint directory (relative to the repository root, or absolute)",
     )
-    dtype: str = _p("float32", PD, f"model and KV dtype: {' or '.join(MODEL_DTYPES)}")
+    dtype: str = _p("float32", PDR, f"model and KV dtype: {' or '.join(MODEL_DTYPES)}")
     device: str = _p(
         "auto",
         PD,
@@ -50,7 +53,7 @@ class StageParams:
         " `cpu`), `cpu`, `cuda`, `cuda:N`; the log names the device chosen",
     )
     page_size: int = _p(
-        16, PD, "tokens per KV page; prefill and decode must agree (checked at handshake)"
+        16, PDR, "tokens per KV page; prefill and decode must agree (checked at handshake)"
     )
     num_pages: int = _p(512, PD, "KV pool pages per instance")
     max_batch: int = _p(16, ("decode",), "sequences per continuous-batching step")
@@ -106,7 +109,7 @@ class StageParams:
     )
     shared_secret: str = _p(
         "",
-        ("prefill", "decode", "postprocess"),
+        ("prefill", "decode", "postprocess", "router"),
         ">= 16 characters: HMAC-SHA256 on every control and cancel message; empty = the"
         f" `{SECRET_ENV}` environment variable (`serve.sh` sets a random one per start)",
     )
@@ -143,18 +146,18 @@ class StageParams:
     )
     spec_enabled: bool = _p(
         False,
-        PD,
+        PDR,
         "speculative decoding: prefill also sends the draft's prompt KV, decode drafts and"
         " verifies; must be equal in both stages (checked at handshake)",
     )
     draft_model_dir: str = _p(
         "",
-        PD,
+        PDR,
         'draft checkpoint (a supported family with the target\'s vocabulary); `""` = self-draft',
     )
     draft_layers: int = _p(
         24,
-        PD,
+        PDR,
         "self-draft: keep the target's first N layers (+ final norm and head); < target layers",
     )
     spec_tokens: int = _p(2, ("decode",), "draft tokens proposed per verify step (k)")
@@ -188,6 +191,13 @@ class StageParams:
         ("router",),
         "prefill locally too when every prefill server that is up has more queued prompt"
         " tokens than this (or none is up); `0` = never for load",
+    )
+    kv_checksum: bool = _p(
+        False,
+        PDR,
+        "end-to-end KV integrity: prefill sends a CRC32C per entry and layer, decode verifies the"
+        " landed bytes before the request decodes; a mismatch fails the room (re-dispatched on a"
+        " decode server); must be equal in prefill and decode (checked at first contact)",
     )
     failover_attempts: int = _p(
         3,
@@ -229,7 +239,7 @@ class StageParams:
             raise ValueError("parameters route_timeout_s and probe_interval_s must be > 0")
         self.servers()  # prefill_servers parses
         self.policy()  # LayerGroupPolicy checks its own ranges
-        cfg = self.transfer_config()  # and TransferConfig its own
+        cfg = self.transfer_config(identity=False)  # and TransferConfig its own
         if not cfg.is_loopback and cfg.shared_secret is None and not self.allow_insecure:
             raise ValueError(
                 f"bootstrap_host {self.bootstrap_host} is not a loopback address but no shared"
@@ -286,7 +296,20 @@ class StageParams:
         except ValueError as e:
             raise ValueError(f"layer-group parameters (lg_*): {e}") from None
 
-    def transfer_config(self, instance_index: int = 0) -> TransferConfig:
+    def identity(self):
+        """The deployment identity (model / draft digests, KV dtype and page size), computed
+        once per process and checkpoint; None when the checkpoint cannot be read (its load
+        fails with the real error)."""
+        from .fingerprint import stage_identity  # hashes files: only where a stage needs it
+
+        try:
+            return stage_identity(self)
+        except (OSError, ValueError):
+            return None
+
+    def transfer_config(self, instance_index: int = 0, identity: bool = True) -> TransferConfig:
+        """The kvtransfer settings; with ``identity`` they carry the deployment identity (see
+        kvtransfer/identity.py: Register carries it, prefill refuses another one)."""
         port = self.bootstrap_port + instance_index if self.bootstrap_port else 0
         try:
             return TransferConfig(
@@ -298,6 +321,8 @@ class StageParams:
                 transfer_timeout_s=self.transfer_timeout_s,
                 queue_timeout_s=self.queue_timeout_s,
                 shared_secret=self.secret or None,
+                kv_checksum=self.kv_checksum,
+                identity=self.identity() if identity else None,
             )
         except ValueError as e:
             raise ValueError(f"transfer parameters: {e}") from None

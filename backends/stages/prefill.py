@@ -37,6 +37,7 @@ from ..runtime.runner import ModelRunner
 from ..runtime.sampler import sample, token_logprobs
 from .draft import DRAFT, copy_prefix_kv, load_stage_draft, make_draft_pool, shares_target_layers
 from .errors import Overloaded
+from .latency import Observations
 from .params import StageParams
 from .request import StageRequest, logprob_extra
 from .trace import TraceWriter
@@ -71,6 +72,7 @@ class _Job:
     req: StageRequest
     on_done: Callable[[PrefillResult], None] | None
     state: JobState = JobState.WAITING
+    queued_at: float = field(default_factory=time.monotonic)
 
 
 class PrefillWorker:
@@ -96,6 +98,8 @@ class PrefillWorker:
             {role: pool.tensor for role, pool in self._pools()},  # staged transfers
         )
         self.bootstrap_addr = self.sender.bootstrap_addr
+        self.latency = Observations()  # histograms (backends/stages/latency.py)
+        self.sender.transfer_stats.observer = self.latency.room_done
         self.name = f"{name}{instance_index}"
         self.trace = TraceWriter(params.trace_dir, self.name)
         # completion fence of the work queued so far on the compute stream (None on CPU); the
@@ -272,6 +276,7 @@ class PrefillWorker:
         req = job.req
         res = PrefillResult(req.room)
         res.timing["start"] = time.time()
+        self.latency.observe("queue", time.monotonic() - job.queued_at)
         try:
             if not self.sender.is_live(req.room):
                 raise RoomGone("the room ended before prefill started it")

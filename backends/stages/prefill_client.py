@@ -10,6 +10,7 @@ until prefill is done with the room (an empty final response), or breaks when th
 from __future__ import annotations
 
 import queue
+import re
 import struct
 import threading
 import urllib.request
@@ -19,9 +20,12 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from . import request as rq
+from .fingerprint import PARAM, from_labels
+from .metrics import INFO
 
 PREFILL_MODEL = "prefill"
 QUEUE_METRIC = "pd_queued_prompt_tokens"
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _LEN = struct.Struct("<I")  # Triton's BYTES element: 4-byte little-endian length, then bytes
 
 
@@ -34,8 +38,11 @@ class Refused(RuntimeError):
         self.down = down
 
 
-def infer_request(req: rq.StageRequest) -> service_pb2.ModelInferRequest:
+def infer_request(req: rq.StageRequest, fingerprint: str = "") -> service_pb2.ModelInferRequest:
+    """``fingerprint``: the router's deployment fingerprint (JSON), checked by prefill."""
     r = service_pb2.ModelInferRequest(model_name=PREFILL_MODEL, id=str(req.room))
+    if fingerprint:
+        r.parameters[PARAM].string_param = fingerprint
     t = r.inputs.add()
     t.name, t.datatype = rq.REQUEST_TENSOR, "BYTES"
     t.shape.append(1)
@@ -64,11 +71,13 @@ class Forward:
     ``on_end(error, down)`` runs once when the call ends (error ``None``: prefill finished the
     room; ``down``: the connection broke, i.e. the server died or became unreachable)."""
 
-    def __init__(self, stub, req: rq.StageRequest, on_end: Callable[[str | None, bool], None]):
+    def __init__(
+        self, stub, req: rq.StageRequest, on_end: Callable[[str | None, bool], None], fp: str = ""
+    ):
         self._first: queue.Queue = queue.Queue(maxsize=1)
         self._done = threading.Event()
         self._on_end = on_end
-        self._call = stub.ModelStreamInfer(self._requests(infer_request(req)))
+        self._call = stub.ModelStreamInfer(self._requests(infer_request(req, fp)))
         threading.Thread(target=self._pump, name=f"fwd-{req.room}", daemon=True).start()
 
     def _requests(self, msg):
@@ -134,9 +143,11 @@ class PrefillClient:
         ]
         self.channel = grpc.insecure_channel(self.name, options=opts)
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
+        self.fingerprint = ""  # ours (JSON), sent with every forward; the router sets it
+        self.remote_fingerprints: list = []  # the server's, from its last metrics read
 
     def forward(self, req: rq.StageRequest, on_end: Callable[[str | None, bool], None]) -> Forward:
-        return Forward(self.stub, req, on_end)
+        return Forward(self.stub, req, on_end, self.fingerprint)
 
     def ready(self, timeout: float) -> bool:
         """The server and its prefill model are ready (False on any error)."""
@@ -149,9 +160,15 @@ class PrefillClient:
             return False
 
     def queued_tokens(self, timeout: float) -> float:
-        """Prompt tokens the server's prefill instances hold (its queue metric, summed)."""
+        """Prompt tokens the server's prefill instances hold (its queue metric, summed). Also
+        reads the instances' deployment fingerprints (``remote_fingerprints``)."""
         with urllib.request.urlopen(self.metrics_url, timeout=timeout) as r:
             text = r.read().decode()
+        self.remote_fingerprints = [
+            from_labels(dict(_LABEL.findall(line.split("{", 1)[1].rsplit("}", 1)[0])))
+            for line in text.splitlines()
+            if line.startswith(INFO.name + "{")
+        ]
         return sum(
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()

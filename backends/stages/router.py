@@ -24,7 +24,6 @@ response (e.g. overloaded) moves on to the next server without marking it down.
 
 from __future__ import annotations
 
-import enum
 import ipaddress
 import logging
 import socket
@@ -34,9 +33,15 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from kvtransfer.identity import INCOMPATIBLE
+
 from . import errors
+from .fingerprint import to_param
 from .prefill_client import PrefillClient, Refused
 from .request import StageRequest
+from .router_identity import RouterIdentity, ServerState
+
+__all__ = ["NoPrefillServer", "PrefillRouter", "ServerState"]
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +62,6 @@ def resolve(host: str) -> list[str]:
         return sorted(set(socket.gethostbyname_ex(host)[2]))
     except OSError:
         return []
-
-
-class ServerState(enum.IntEnum):
-    Down = 0  # not routed to; probed until ready
-    Up = 1
 
 
 class NoPrefillServer(RuntimeError):
@@ -114,7 +114,7 @@ class _EndOnce:
             self.on_end(err)
 
 
-class PrefillRouter:
+class PrefillRouter(RouterIdentity):
     def __init__(
         self,
         servers: list[tuple[str, int, int]],
@@ -124,7 +124,9 @@ class PrefillRouter:
         client=PrefillClient,  # (host, grpc_port, metrics_port) -> client (tests pass fakes)
         local_max_tokens: int = 0,
         local_busy_tokens: int = 0,
+        fingerprint=None,  # ours (kvtransfer.identity.Fingerprint): prefill servers must match
     ):
+        self._init_identity(fingerprint)
         self.local_max_tokens, self.local_busy_tokens = local_max_tokens, local_busy_tokens
         if not servers and not (local_max_tokens or local_busy_tokens):
             raise ValueError("the router needs at least one prefill server (prefill_servers)")
@@ -206,7 +208,9 @@ class PrefillRouter:
                 reasons[s.name] = str(e)
                 with self._lock:
                     s.counters["refused"] += 1
-                if e.down:
+                if INCOMPATIBLE in str(e):
+                    self._mark_incompatible(s, str(e))
+                elif e.down:
                     self._mark_down(s, str(e))
         if self.local:  # nothing left to forward to, but this server can prefill
             return self._local(req, on_end, deliver)
@@ -243,7 +247,8 @@ class PrefillRouter:
             for s in self.servers:
                 if s.name not in reasons:
                     why = "excluded (failed this request)" if s.name in exclude else s.reason
-                    reasons[s.name] = f"down: {why}"
+                    incompatible = s.state == ServerState.Incompatible and s.name not in exclude
+                    reasons[s.name] = why if incompatible else f"down: {why}"
         listed = "; ".join(f"{k}: {v}" for k, v in reasons.items())
         msg = f"no prefill server took the request ({listed})"
         if reasons and all("overloaded" in v for v in reasons.values()):
@@ -290,7 +295,7 @@ class PrefillRouter:
 
     def _poll_one(self, s: PrefillServer) -> None:
         timeout = max(self.route_timeout_s / 4, 0.2)
-        if s.state == ServerState.Down and not s.client.ready(timeout):
+        if s.state != ServerState.Up and not s.client.ready(timeout):
             return
         t = time.monotonic()
         try:
@@ -298,9 +303,13 @@ class PrefillRouter:
         except Exception as e:
             self._mark_down(s, f"metrics unreachable: {e}")
             return
+        why = self._identity_mismatch(s)
+        if why is not None:
+            self._mark_incompatible(s, why)
+            return
         with self._lock:
             s.queued, s.read_at = queued, t
-            if s.state == ServerState.Down:
+            if s.state != ServerState.Up:
                 s.state, s.reason = ServerState.Up, ""
                 log.warning("%s: prefill server %s is up again", self.name, s.name)
 
@@ -316,6 +325,8 @@ class PrefillRouter:
             have = {s.name: s for s in self.servers}
             gone = [s for n, s in have.items() if n not in want and not s.outstanding]
             new = [PrefillServer(self.client(*want[n])) for n in want if n not in have]
+            for x in new:
+                x.client.fingerprint = to_param(self.fingerprint)
             self.servers = [s for s in self.servers if s not in gone] + new
         for s in gone:
             s.client.close()
@@ -338,6 +349,7 @@ class PrefillRouter:
                 except Exception:  # the loop never dies
                     self.counters["loop_errors"] += 1
                     log.exception("%s: polling %s failed", self.name, s.name)
+            self._log_readiness()
 
     def stats(self) -> dict:
         """Per-server state and counters (for metrics), plus the router's own counters."""
@@ -345,6 +357,7 @@ class PrefillRouter:
             per = {
                 s.name: {
                     "up": int(s.state == ServerState.Up),
+                    "incompatible": int(s.state == ServerState.Incompatible),
                     "load": s.load(),
                     "queued": s.queued,
                     "outstanding": len(s.outstanding),
@@ -353,9 +366,16 @@ class PrefillRouter:
                 for s in self.servers
             }
             if self.local:
-                zero = dict.fromkeys(("up", "load", "queued", "outstanding", "refused", "lost"), 0)
+                keys = ("up", "incompatible", "load", "queued", "outstanding", "refused", "lost")
+                zero = dict.fromkeys(keys, 0)
                 per[LOCAL] = {**zero, "up": 1, **self.local_counters}
         return {"servers": per, **self.counters}
+
+    def stage_stats(self) -> dict:
+        """The router's stage-level metrics: readiness and refusals by reason."""
+        with self._lock:
+            refusals = dict(self.refusals)
+        return {"ready": int(self.ready), "refusals": refusals}
 
     def close(self) -> None:
         self._stop.set()

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import errors
 from . import request as rq
-from .metrics import FAILURES, METRICS, publish
+from .metrics import BY_REASON, HISTOGRAMS, INFO, METRICS, publish
 from .params import StageParams, from_triton_config
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,16 @@ def exception_response(pb, where: str, exc: BaseException):
 
 
 class StageMetrics:
-    def __init__(self, pb, stage: str, instance: str, stats_fn, interval: float = 0.25):
+    def __init__(
+        self,
+        pb,
+        stage: str,
+        instance: str,
+        stats_fn,
+        interval: float = 0.25,
+        info=None,
+        observations=None,  # backends/stages/latency.Observations -> the HISTOGRAMS
+    ):
         self.pb, self.stats_fn, self.interval = pb, stats_fn, interval
         self.labels = {"stage": stage, "instance": instance}
         mf = pb.MetricFamily
@@ -135,26 +144,44 @@ class StageMetrics:
             fam = mf(name=mt.name, description=mt.doc, kind=kind)
             self.families.append(fam)
             self.metrics.append((mt.kind, mt.key, fam.Metric(labels=self.labels), [0.0]))
-        self.fail_family = mf(name=FAILURES.name, description=FAILURES.doc, kind=mf.COUNTER)
-        self.fail_metrics: dict[str, list] = {}
+        # (key, family, {reason: [metric, last]}) per by-reason counter family
+        self.by_reason = [
+            (mt.key, mf(name=mt.name, description=mt.doc, kind=mf.COUNTER), {}) for mt in BY_REASON
+        ]
+        if info:  # the deployment fingerprint as labels, value 1
+            fam = mf(name=INFO.name, description=INFO.doc, kind=mf.GAUGE)
+            self.families.append(fam)
+            self.info_metric = fam.Metric(labels={**self.labels, **info})
+            self.info_metric.set(1.0)
+        self.observations, self.histograms = observations, {}
+        if observations is not None and hasattr(mf, "HISTOGRAM"):
+            for h in HISTOGRAMS:
+                fam = mf(name=h.name, description=h.doc, kind=mf.HISTOGRAM)
+                self.families.append(fam)
+                self.histograms[h.key] = fam.Metric(labels=self.labels, buckets=h.buckets)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="metrics", daemon=True)
         self._thread.start()
 
     def update(self) -> None:
+        if self.observations is not None:
+            for key, values in self.observations.drain().items():
+                metric = self.histograms.get(key)
+                for v in values if metric is not None else ():
+                    metric.observe(v)
         st = self.stats_fn()
         for kind, key, metric, last in self.metrics:
             if key not in st:
                 continue
             publish(metric, kind, float(st[key]), last)
-        for reason, n in st.get(FAILURES.key, {}).items():
-            if reason not in self.fail_metrics:
-                m = self.fail_family.Metric(labels={**self.labels, "reason": reason})
-                self.fail_metrics[reason] = [m, 0]
-            m, last = self.fail_metrics[reason]
-            if n > last:
-                m.increment(n - last)
-                self.fail_metrics[reason][1] = n
+        for key, family, per in self.by_reason:
+            for reason, n in st.get(key, {}).items():
+                if reason not in per:
+                    per[reason] = [family.Metric(labels={**self.labels, "reason": reason}), 0]
+                m, last = per[reason]
+                if n > last:
+                    m.increment(n - last)
+                    per[reason][1] = n
 
     def _run(self) -> None:
         failures = 0

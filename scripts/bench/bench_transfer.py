@@ -23,6 +23,15 @@ size ``--headline-page`` over all layouts. ``--link-gbit R`` re-runs the whole c
 
     .venv/bin/python scripts/bench/bench_transfer.py --requests 5
     .venv/bin/python scripts/bench/bench_transfer.py --requests 5 --link-gbit 4
+
+``--checksum`` turns ``kv_checksum`` on in both processes (so the kvtransfer modes include
+prefill's CRC32C before Complete and decode's check) and also times one side's checksum of a
+request alone, contiguous and fragmented: ``checksum_ms`` and ``checksum_ratio`` (both sides'
+checksum time / the transfer time of the same request at the measured contiguous / fragmented
+rate; prefill and decode each sum once, one after the other, so both count).
+
+    .venv/bin/python scripts/bench/bench_transfer.py --layouts smollm2-gqa --page-sizes 16 \
+        --requests 3 --checksum
 """
 
 from __future__ import annotations
@@ -199,6 +208,7 @@ def bench_cell(name: str, page_size: int, args) -> dict:
         staging_inflight=args.inflight,
         staging_slots=args.inflight + 1,
         staging_grants_per_room=args.inflight + 1,
+        kv_checksum=args.checksum,
     )
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
@@ -232,6 +242,7 @@ def bench_cell(name: str, page_size: int, args) -> dict:
                 dt = one_mode(mode, i, tx, te, conn, session, src, dst, groups, rng, args, data)
                 if i > 0:
                     res[mode].append(nbytes / dt / 1e9)
+        sums = time_checksums(src, source, rng, n_pages, args) if args.checksum else {}
     finally:
         tx.close()
         conn.send(("exit",))
@@ -258,6 +269,28 @@ def bench_cell(name: str, page_size: int, args) -> dict:
         "contiguous_link_ratio": med["contiguous"] / med["link"],
         "runs": res,
     }
+    if sums:
+        out["checksum_ms"] = sums
+        out["checksum_ratio"] = {
+            m: 2 * sums[m] / 1e3 / (nbytes / (med[m] * 1e9)) for m in sums if med.get(m)
+        }
+    return out
+
+
+def time_checksums(src, source, rng, n_pages: int, args) -> dict[str, float]:
+    """Median ms of one side's kv_checksum of a request (prefill's before Complete; decode's
+    check costs the same), contiguous and fragmented page tables."""
+    from kvtransfer.checksum import entry_checksums
+
+    out = {}
+    for mode, frag in (("contiguous", False), ("fragmented", True)):
+        times = []
+        for _ in range(max(args.requests, 3)):
+            pages = pick_pages(rng, src.num_pages, n_pages, frag)
+            t0 = time.perf_counter()
+            entry_checksums(src, source.tensor(), pages)
+            times.append((time.perf_counter() - t0) * 1e3)
+        out[mode] = statistics.median(times)
     return out
 
 
@@ -352,6 +385,9 @@ def main() -> None:
     ap.add_argument("--link-burst", default="1mb")
     ap.add_argument("--link-latency", default="50ms")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--checksum", action="store_true", help="kv_checksum on; time the CRC32C (see above)"
+    )
     args = ap.parse_args()
     if args.link_gbit is not None and not netns.in_netns():
         sys.exit(netns.reexec_in_netns(args.link_gbit, args.link_burst, args.link_latency))
@@ -366,6 +402,13 @@ def main() -> None:
     print(table(cells, link))
     h = {k: v for k, v in out.items() if k.endswith(("gbps", "ratio")) and v is not None}
     print("page", args.headline_page, ", ".join(f"{k} {v:.3f}" for k, v in h.items()))
+    for c in cells:
+        if "checksum_ms" in c:
+            ms, ratio = c["checksum_ms"], c["checksum_ratio"]
+            print(
+                f"{c['layout']} page {c['page_size']}: checksum per side"
+                + "".join(f" {m} {ms[m]:.1f} ms ({ratio.get(m, 0):.1%} of transfer)" for m in ms)
+            )
 
 
 if __name__ == "__main__":

@@ -56,7 +56,9 @@ def launch(
     repo, trace, run = tmp / "repo", tmp / "trace", tmp / "run"
     trace.mkdir()
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "make_repo.py"), "--out", str(repo)]
-    cmd += [a for s in [*sets, f"trace_dir={trace}"] for a in ("--set", s)]
+    # the suite's e2e runs verify every KV transfer end to end (kv_checksum; a test may set it
+    # false: a later --set wins)
+    cmd += [a for s in ["kv_checksum=true", *sets, f"trace_dir={trace}"] for a in ("--set", s)]
     cmd += [a for i in instances for a in ("--instances", i)]
     cmd += list(repo_args)
     subprocess.run(cmd, check=True, capture_output=True)

@@ -178,12 +178,13 @@ def test_draft_kv_transfer_failure_fails_the_request_cleanly():
 
 
 MISMATCH = {  # prefill spec params, decode spec params, what decode's error names
-    "decode-only": ({}, {"spec_enabled": True, "draft_layers": 2}, "draft"),
-    "prefill-only": ({"spec_enabled": True, "draft_layers": 2}, {}, "draft"),
+    # refused at first contact: the draft is part of the deployment fingerprint (protocol 5)
+    "decode-only": ({}, {"spec_enabled": True, "draft_layers": 2}, "prefill none, decode self:2"),
+    "prefill-only": ({"spec_enabled": True, "draft_layers": 2}, {}, "prefill self:2, decode none"),
     "other-draft": (
         {"spec_enabled": True, "draft_layers": 2},
         {"spec_enabled": True, "draft_layers": 3},
-        "entry draft: num_layers differs",
+        "prefill self:2, decode self:3",
     ),
 }
 
@@ -209,7 +210,7 @@ def test_spec_configuration_mismatch_fails_clearly(case):
         prefill.prefill(5, ids)
         assert c.done.wait(30)
         error = c.events[-1].error
-        assert c.ids == [] and error and "incompatible layout" in error and want in error, error
+        assert c.ids == [] and error and "draft model differs" in error and want in error, error
         assert "configured identically in prefill and decode" in error
         print(f"{case}: {error}")
         _wait_free(decode, prefill)

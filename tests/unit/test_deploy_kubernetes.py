@@ -66,5 +66,12 @@ def test_pools_services_and_configuration_fit_together():
             key, _, value = item.partition("=")
             stage, _, pname = key.rpartition(".")
             parse_params({pname: value}, stage or None)
+        # readiness that tells the truth: Triton's ready AND pd_ready (scripts/health.py), on
+        # the address the server listens on
+        probe = " ".join(c["readinessProbe"]["exec"]["command"])
+        assert "/opt/pd-triton/scripts/health.py" in probe and '--host "$POD_IP"' in probe
+        assert (DEPLOY.parents[1] / "scripts" / "health.py").is_file()
+        assert "POD_IP" in {e["name"] for e in c["env"]}
+        assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
     decode_params = maps["pd-decode-params"]["data"]["params"]
     assert "prefill_servers=pd-prefill:8001:8002" in decode_params

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from kvtransfer import messages as m
+from kvtransfer.identity import Fingerprint
 
 SECRET = b"s" * 32
 SAMPLES = [
@@ -42,7 +43,31 @@ SAMPLES = [
     m.Grant(7, 11),
     m.Staged(7, 11, "draft", 0, 2, 4096, 1365),
     m.FirstToken(7, 42),
+    m.Register(  # protocol 5: decode's deployment fingerprint
+        9,
+        "127.0.0.1:1234",
+        [m.EntrySpec("target", {"attn": "gqa"}, [1], 1 << 40, 16)],
+        4,
+        fingerprint=Fingerprint(
+            5, "0123456789abcdef", "a" * 32, "smollm2", "self:24", "f32/page16"
+        ),
+    ),
+    m.Complete(7, 42, checksums={"target": [1, 2**32 - 1], "draft": [0]}),
+    m.Refuse(7, "incompatible deployment: secret differs", "0123456789abcdef", 5),
 ]
+
+
+def test_refuse_and_register_readable_across_versions():
+    """A Refuse (unsigned, any envelope version) and a Register's room (without its MAC) are
+    readable by peers of another protocol version; nothing else is."""
+    enc = msgspec.msgpack.Encoder()
+    refuse = m.Refuse(3, "incompatible deployment: protocol 6 vs 5 (prefill vs decode)", "", 6)
+    future = enc.encode(m.Envelope(m.PROTOCOL_VERSION + 1, 0.0, enc.encode(refuse), None))
+    assert m.peek_refusal(future) == refuse
+    reg = enc.encode(m.Envelope(m.PROTOCOL_VERSION + 1, 0.0, enc.encode(SAMPLES[0]), b"mac"))
+    assert m.peek_register(reg) == (m.PROTOCOL_VERSION + 1, SAMPLES[0].room)
+    assert m.peek_refusal(reg) is None and m.peek_register(future) is None
+    assert m.peek_refusal(b"garbage") is None and m.peek_register(b"") is None
 
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda x: type(x).__name__)

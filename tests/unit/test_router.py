@@ -28,6 +28,7 @@ class FakeClient:
         self.bootstrap = f"{host}:{grpc_port + 1000}"
         self.queued, self.is_ready, self.refuse, self.down = 0.0, True, "", False
         self.forwards: list[FakeForward] = []
+        self.remote_fingerprints = []  # what its metrics publish (pd_deployment_info)
 
     def forward(self, req, on_end):
         f = FakeForward(self, req, on_end)

@@ -77,7 +77,8 @@ def test_defaults_have_one_home():
     from kvtransfer import LayerGroupPolicy, TransferConfig
 
     p, tc, lg = StageParams(), TransferConfig(), LayerGroupPolicy()
-    assert p.transfer_config() == tc
+    assert p.transfer_config(identity=False) == tc
+    assert p.transfer_config().identity.model_name == "smollm2-135m-instruct"
     assert p.policy() == lg
 
 

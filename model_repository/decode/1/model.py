@@ -49,7 +49,10 @@ class TritonPythonModel:
     def initialize(self, args):
         g.setup_env()
         self.worker = DecodeWorker(g.stage_params(pb, args, "decode"))
-        self.metrics = g.StageMetrics(pb, "decode", args["model_instance_name"], self.worker.stats)
+        self.metrics = g.StageMetrics(
+            pb, "decode", args["model_instance_name"], self.worker.stats,
+            observations=self.worker.latency,
+        )  # fmt: skip
         self.retirement = g.Retirement(args["model_instance_name"], self.worker.idle)
 
     def execute(self, requests):

@@ -18,6 +18,7 @@ sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if
 import triton_python_backend_utils as pb
 
 from backends.stages import triton_glue as g
+from backends.stages.fingerprint import ForwardCheck, info_labels
 from backends.stages.params import instance_index
 from backends.stages.prefill import PrefillWorker
 
@@ -30,7 +31,13 @@ class TritonPythonModel:
         name = args["model_instance_name"]
         params = g.stage_params(pb, args, "prefill")
         self.worker = PrefillWorker(params, instance_index=instance_index(name))
-        self.metrics = g.StageMetrics(pb, "prefill", name, self.worker.stats)
+        # a forwarded request carries its router's deployment fingerprint: refuse another one
+        self.identity = ForwardCheck(self.worker.sender.fingerprint)
+        fp = self.identity.mine
+        info = info_labels(fp) if fp else None
+        self.metrics = g.StageMetrics(
+            pb, "prefill", name, self._stats, info=info, observations=self.worker.latency
+        )
         self.retirement = g.Retirement(name, self.worker.idle)
 
     def execute(self, requests):
@@ -38,6 +45,7 @@ class TritonPythonModel:
             for request in requests:
                 sender = request.get_response_sender()
                 try:
+                    self.identity.check(request.parameters())
                     req = g.stage_request(pb, request).with_bootstrap(self.worker.bootstrap_addr)
                     self.worker.submit(req, lambda _result, s=sender: s.send(flags=FINAL))
                 except Exception as e:  # invalid (400), overloaded (503) or internal: this one only
@@ -45,6 +53,10 @@ class TritonPythonModel:
                     continue
                 sender.send(pb.InferenceResponse(output_tensors=[g.request_tensor(pb, req)]))
             return None
+
+    def _stats(self) -> dict:
+        ready = int(self.worker.sender.alive)  # its KV endpoint is bound and served
+        return self.identity.merged({**self.worker.stats(), "ready": ready})
 
     def finalize(self):
         self.metrics.close()

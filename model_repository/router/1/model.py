@@ -19,6 +19,7 @@ sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if
 import triton_python_backend_utils as pb
 
 from backends.stages import triton_glue as g
+from backends.stages.fingerprint import stage_fingerprint
 from backends.stages.router import PrefillRouter
 from backends.stages.router_metrics import RouterMetrics
 
@@ -34,8 +35,10 @@ class TritonPythonModel:
             p.servers(), p.route_timeout_s, p.probe_interval_s, name,
             local_max_tokens=p.local_prefill_max_tokens,
             local_busy_tokens=p.local_prefill_busy_tokens,
+            fingerprint=stage_fingerprint(p),  # prefill servers of another deployment: refused
         )  # fmt: skip
         self.metrics = RouterMetrics(pb, "router", name, self.router)
+        self.stage_metrics = g.StageMetrics(pb, "router", name, self.router.stage_stats)
         self.retirement = g.Retirement(name)
 
     def _route(self, request) -> None:
@@ -61,5 +64,6 @@ class TritonPythonModel:
             return None
 
     def finalize(self):
+        self.stage_metrics.close()
         self.metrics.close()
         self.router.close()
