@@ -63,12 +63,8 @@ class StageParams:
         ("preprocess", "decode"),
         "largest `max_tokens` a request may ask for (< `max_context`)",
     )
-    default_max_tokens: int = _p(
-        256,
-        ("preprocess",),
-        "`max_tokens` of a request that gives none (capped by `max_tokens_limit` and by what"
-        " the context leaves after the prompt)",
-    )
+    default_max_tokens: int = _p(256, ("preprocess",), "`max_tokens` of a request that gives"
+                                 " none (capped by `max_tokens_limit` and the context left)")
     lg_enabled: bool = _p(
         _LG.enabled,
         ("prefill",),
@@ -123,9 +119,8 @@ class StageParams:
         4096,
         PD,
         "requests a stage holds waiting (prefill: for decode's pages or for compute; decode: for"
-        " KV pages); past it new requests get `overloaded, retry later` (UNAVAILABLE) at once."
-        " A waiting request costs only its prompt ids: bursts queue, `queue_timeout_s` bounds"
-        " the wait",
+        " KV pages); past it new requests get `overloaded, retry later` (UNAVAILABLE) at once;"
+        " a waiting request costs only its prompt ids (bursts queue)",
     )
     queue_timeout_s: float = _p(
         _TC.queue_timeout_s,
@@ -219,8 +214,7 @@ class StageParams:
             )
         positive = (
             "page_size", "num_pages", "max_batch", "max_context", "max_tokens_limit", "max_queue",
-            "default_max_tokens",
-        )  # fmt: skip
+            "default_max_tokens")  # fmt: skip
         for name in (*positive, "draft_layers", "spec_tokens", "failover_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(

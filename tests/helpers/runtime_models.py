@@ -183,3 +183,18 @@ def assert_close_to_reference(got: torch.Tensor, ref: torch.Tensor) -> None:
 def random_prompt(n: int, seed: int, vocab: int = 256) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def assert_greedy_generate_matches(kind: str, runner, seed: int, n: int = 32) -> list[int]:
+    """The runtime engine's greedy continuation of a random prompt equals transformers'
+    token for token (all ``n`` tokens: no early EOS, not a degenerate repetition)."""
+    from backends.runtime.engine import LLMEngine
+    from backends.runtime.sampler import SamplingParams
+
+    prompt = random_prompt(5 + 4 * seed, seed=seed)
+    expected = hf_greedy(kind, prompt, n)
+    engine = LLMEngine(runner, runner.make_pool(32, 8), max_batch=4)
+    (seq,) = engine.generate([(prompt, SamplingParams(max_tokens=n))])
+    assert seq.output_ids == expected
+    assert len(expected) == n and len(set(expected)) > 8
+    return expected

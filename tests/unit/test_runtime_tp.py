@@ -79,12 +79,7 @@ def test_logits_match_transformers(kind, tp2):
 
 @pytest.mark.parametrize("seed", [0, 7])
 def test_greedy_matches_transformers_generate(kind, tp2, seed):
-    prompt = rm.random_prompt(5 + 4 * seed, seed=seed)
-    expected = rm.hf_greedy(kind, prompt, 32)
-    engine = LLMEngine(tp2, tp2.make_pool(32, 8), max_batch=4)
-    (seq,) = engine.generate([(prompt, SamplingParams(max_tokens=32))])
-    assert seq.output_ids == expected
-    assert len(set(expected)) > 8  # not a degenerate repetition
+    rm.assert_greedy_generate_matches(kind, tp2, seed)
 
 
 def test_batched_greedy_over_fragmented_pages(kind, tp2):
