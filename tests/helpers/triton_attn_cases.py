@@ -1,0 +1,186 @@
+"""Cases for the Triton paged-attention kernels under the interpreter, run in a process of
+their own (``tests/unit/test_triton_attn.py`` starts it): ``TRITON_INTERPRET`` must be set before
+``triton`` is first imported, and no other test should see interpreted kernels.
+
+Run as a script (with ``TRITON_INTERPRET=1``): executes every case of :data:`SUITE` against the
+dense float64 reference and prints one JSON object, case name -> {"error": None or the
+assert_close message, "max_err": float, "seconds": float}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+CASES = {  # (start, new tokens) per sequence
+    "decode": [(7, 1), (20, 1), (0, 1), (33, 1)],
+    "prefill": [(0, 9), (0, 3), (0, 17)],
+    "extend": [(5, 4), (17, 3), (0, 6), (30, 1)],
+}
+
+
+def build(seqs, page_size, hkv, dk, dv, dtype, mla=False, seed=0):
+    """Random caches and q; each sequence's pages drawn from a shuffled pool."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-(s + n) // page_size) for s, n in seqs]
+    num_pages = sum(need) + 3
+    order = torch.randperm(num_pages, generator=g).tolist()
+    width = max(need)
+    table, used = [], 0
+    for k in need:
+        table.append(order[used : used + k] + [0] * (width - k))
+        used += k
+    S = num_pages * page_size
+    k_cache = torch.randn(S, hkv, dk, generator=g)
+    v_cache = None if mla else torch.randn(S, hkv, dv, generator=g)
+    T = sum(n for _, n in seqs)
+    cu = torch.tensor([0] + [n for _, n in seqs]).cumsum(0)
+    return dict(
+        k_cache=k_cache.to(dtype) if dtype != torch.float8_e4m3fn else k_cache,
+        v_cache=v_cache,
+        page_table=torch.tensor(table, dtype=torch.int32),
+        cu_q=cu.to(torch.int32),
+        starts=torch.tensor([s for s, _ in seqs], dtype=torch.int32),
+        max_q=max(n for _, n in seqs),
+        T=T,
+    )
+
+
+def reference(q, k_cache, v_cache, page_table, cu_q, starts, page_size, scale, v_dim, window,
+              k_scale=1.0, v_scale=1.0):  # fmt: skip
+    """Dense float64: every sequence's context gathered slot by slot, masked softmax."""
+    q = q.double()
+    H = q.shape[1]
+    out = torch.zeros(q.shape[0], H, v_dim if v_cache is None else v_cache.shape[2],
+                      dtype=torch.float64)  # fmt: skip
+    for b in range(len(starts)):
+        q0, q1, start = int(cu_q[b]), int(cu_q[b + 1]), int(starts[b])
+        ctx = start + q1 - q0
+        pos = torch.arange(ctx)
+        slots = page_table[b].long()[pos // page_size] * page_size + pos % page_size
+        k = k_cache[slots].double() * k_scale  # [L, Hkv, Dk]
+        v = k[..., :v_dim] if v_cache is None else v_cache[slots].double() * v_scale
+        G = H // k.shape[1]
+        k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)  # [L, H, D]
+        s = torch.einsum("thd,lhd->htl", q[q0:q1], k) * scale
+        qpos = start + torch.arange(q1 - q0)
+        seen = pos[None, :] <= qpos[:, None]
+        if window:
+            seen &= pos[None, :] > qpos[:, None] - window
+        p = torch.softmax(s.masked_fill(~seen, float("-inf")), -1)
+        out[q0:q1] = torch.einsum("htl,lhd->thd", p, v)
+    return out
+
+
+def run_case(ta, case, page_size, H, hkv, dk, dv, window, dtype=torch.float32, mla=False,
+             kv_dtype=None, scales=(1.0, 1.0), seed=0):  # fmt: skip
+    seqs = CASES[case]
+    a = build(seqs, page_size, hkv, dk, dv, dtype, mla, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(a["T"], H, dk, generator=g).to(dtype)
+    k_cache, v_cache = a["k_cache"], a["v_cache"]
+    if kv_dtype is not None:  # fp8 storage: the kernel dequantizes with the scales
+        k_cache = (k_cache.float() / scales[0]).to(kv_dtype)
+        v_cache = None if v_cache is None else (v_cache / scales[1]).to(kv_dtype)
+    elif v_cache is not None:
+        v_cache = v_cache.to(dtype)
+    scale = dk**-0.5
+    out = ta.paged_attention(
+        q, k_cache, v_cache, a["page_table"], a["cu_q"], a["starts"], a["max_q"], page_size,
+        scale, v_dim=dv if mla else None, rope_dim=dk - dv if mla else 0, window=window,
+        k_scale=scales[0], v_scale=scales[1],
+    )  # fmt: skip
+    ref = reference(
+        q, k_cache.float() if kv_dtype else k_cache,
+        None if v_cache is None else (v_cache.float() if kv_dtype else v_cache),
+        a["page_table"], a["cu_q"], a["starts"], page_size, scale, dv, window, *scales,
+    )  # fmt: skip
+    assert out.dtype == dtype and out.shape == ref.shape
+    return out.double(), ref
+
+
+def suite() -> dict[str, tuple[dict, float]]:
+    """name -> (run_case keyword arguments, tolerance)."""
+    s: dict[str, tuple[dict, float]] = {}
+    for case in sorted(CASES):
+        for ps in (1, 16):
+            for w in (None, 5):
+                s[f"gqa-{case}-page{ps}-window{w}"] = (
+                    dict(case=case, page_size=ps, H=6, hkv=2, dk=16, dv=16, window=w),
+                    1e-5,
+                )
+            s[f"mla-{case}-page{ps}"] = (
+                dict(case=case, page_size=ps, H=4, hkv=1, dk=48, dv=32, window=None, mla=True),
+                1e-5,
+            )
+    for case in ("decode", "extend"):
+        # 24 channels (masked lanes), 7 query heads on one KV head; window 1 (only itself)
+        s[f"gqa-{case}-dim24-group7"] = (
+            dict(case=case, page_size=16, H=7, hkv=1, dk=24, dv=24, window=None),
+            1e-5,
+        )
+        s[f"gqa-{case}-page4-window1"] = (
+            dict(case=case, page_size=4, H=4, hkv=4, dk=16, dv=16, window=1),
+            1e-5,
+        )
+        # fp8 K/V with per-layer scales; the reference dequantizes the same fp8 values
+        fp8 = dict(kv_dtype=torch.float8_e4m3fn, scales=(0.05, 0.02))
+        s[f"fp8-gqa-{case}"] = (
+            dict(case=case, page_size=16, H=6, hkv=2, dk=16, dv=16, window=None, **fp8),
+            1e-5,
+        )
+        s[f"fp8-mla-{case}"] = (
+            dict(case=case, page_size=16, H=4, hkv=1, dk=48, dv=32, window=None, mla=True, **fp8),
+            1e-5,
+        )
+    for name, dt, tol in (("float16", torch.float16, 3e-3), ("bfloat16", torch.bfloat16, 2e-2)):
+        s[f"{name}-gqa-extend-window5"] = (
+            dict(case="extend", page_size=16, H=6, hkv=2, dk=16, dv=16, window=5, dtype=dt),
+            tol,
+        )
+        s[f"{name}-mla-decode-page1"] = (
+            dict(case="decode", page_size=1, H=4, hkv=1, dk=48, dv=32, window=None, dtype=dt,
+                 mla=True), tol,
+        )  # fmt: skip
+    s["fp8-float16-gqa-extend"] = (
+        dict(case="extend", page_size=16, H=6, hkv=2, dk=16, dv=16, window=None,
+             dtype=torch.float16, kv_dtype=torch.float8_e4m3fn, scales=(0.05, 0.02)), 3e-3,
+    )  # fmt: skip
+    return s
+
+
+def main() -> None:
+    import importlib.util
+    import os
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    path = os.path.join(root, "backends", "runtime", "triton_attn.py")
+    spec = importlib.util.spec_from_file_location("triton_attn", path)
+    ta = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ta)
+    only = sys.argv[1:]
+    results = {}
+    for name, (kw, tol) in suite().items():
+        if only and name not in only:
+            continue
+        t0 = time.perf_counter()
+        out, ref = run_case(ta, **kw)
+        err = None
+        try:
+            torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+        except AssertionError as e:
+            err = str(e)
+        results[name] = {
+            "error": err,
+            "max_err": float((out - ref).abs().max()),
+            "ref_max": float(ref.abs().max()),
+            "seconds": time.perf_counter() - t0,
+        }
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
