@@ -10,10 +10,13 @@ assert_close message, "max_err": float, "seconds": float}.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))  # runtime_models
 
 CASES = {  # (start, new tokens) per sequence
     "decode": [(7, 1), (20, 1), (0, 1), (33, 1)],
@@ -152,9 +155,72 @@ def suite() -> dict[str, tuple[dict, float]]:
     return s
 
 
+RUNTIME_KINDS = ("llama", "mistral", "deepseek_v3")  # GQA, GQA + sliding window 16, MLA
+
+
+def runtime_cases() -> dict[str, dict]:
+    """Tiny models through the runtime with every attention call on the Triton kernel (the CUDA
+    path, here interpreted on CPU tensors): prefill logits, a prefill in two chunks (the second
+    one attends to pages written by the first), and greedy decode, against transformers.
+    -> name -> {"error": ..., "seconds": ...}."""
+    import runtime_models as rm
+
+    from backends.runtime import cuda_attn
+    from backends.runtime.engine import LLMEngine
+    from backends.runtime.runner import ModelRunner, SeqInput
+    from backends.runtime.sampler import SamplingParams
+
+    cuda_attn.DEVICE_TYPES = ("cuda", "cpu")
+    calls = []
+    kernel = cuda_attn._kernels().paged_attention
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return kernel(*a, **kw)
+
+    cuda_attn._module.paged_attention = counted
+    results = {}
+    for kind in RUNTIME_KINDS:
+        t0, err = time.perf_counter(), None
+        try:
+            runner = ModelRunner.load(rm.checkpoint(kind))
+            prompt = rm.random_prompt(21, seed=1)  # > the window of 16
+            with torch.no_grad():
+                ref = rm.hf_model(kind)(torch.tensor([prompt])).logits[0].float()
+            pool = runner.make_pool(16, 4)
+            pool.shuffle_free_list(seed=3)
+            pages = pool.alloc(pool.pages_needed(len(prompt)))
+            n0 = len(calls)
+            (logits,) = runner.forward(pool, [SeqInput(prompt, 0, pages)])
+            assert len(calls) - n0 == runner.config.num_layers, "the kernel did not run"
+            rm.assert_close_to_reference(logits, ref)
+            pool2 = runner.make_pool(16, 4)
+            pages2 = pool2.alloc(6)
+            (a,) = runner.forward(pool2, [SeqInput(prompt[:13], 0, pages2)])
+            (b,) = runner.forward(pool2, [SeqInput(prompt[13:], 13, pages2)])
+            rm.assert_close_to_reference(torch.cat([a, b]), ref)
+            want = rm.hf_greedy(kind, prompt[:9], 10)
+            engine = LLMEngine(runner, runner.make_pool(16, 4), max_batch=2)
+            seqs = engine.generate(
+                [
+                    (prompt[:9], SamplingParams(max_tokens=10)),
+                    (prompt, SamplingParams(max_tokens=3)),
+                ]
+            )
+            assert seqs[0].output_ids == want, (seqs[0].output_ids, want)
+        except AssertionError as e:
+            err = str(e) or repr(e)
+        results[f"runtime-{kind}"] = {
+            "error": err,
+            "max_err": 0.0,
+            "ref_max": 1.0,
+            "seconds": time.perf_counter() - t0,
+        }
+    return results
+
+
 def main() -> None:
     import importlib.util
-    import os
 
     root = os.path.join(os.path.dirname(__file__), "..", "..")
     path = os.path.join(root, "backends", "runtime", "triton_attn.py")
@@ -179,6 +245,8 @@ def main() -> None:
             "ref_max": float(ref.abs().max()),
             "seconds": time.perf_counter() - t0,
         }
+    if not only or any(n.startswith("runtime-") for n in only):
+        results.update(runtime_cases())
     print(json.dumps(results))
 
 

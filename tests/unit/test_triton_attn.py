@@ -37,7 +37,7 @@ def results():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", list(cases.suite()))
+@pytest.mark.parametrize("name", [*cases.suite(), *(f"runtime-{k}" for k in cases.RUNTIME_KINDS)])
 def test_kernel_matches_float64_reference(results, name):
     r = results[name]
     assert r["error"] is None, r["error"]
