@@ -63,6 +63,7 @@ def cuda_attention(
         return kernels.paged_attention(
             q, k_cache, v_cache, meta.page_table, meta.cu_q, meta.starts, meta.max_q,
             meta.page_size, scale, v_dim=v_dim, window=meta.window,
+            max_ctx=meta.read_slots.shape[1],
         )  # fmt: skip
     except Exception as e:  # a Triton compile error, an unsupported GPU, ...
         log.warning("Triton attention failed, using SDPA from now on: %s", e)

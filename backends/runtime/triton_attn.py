@@ -16,7 +16,10 @@ Grid: ``(B, query blocks, Hkv)``. A program takes ``BLOCK_M`` rows, each one (qu
 head of this KV head) pair — the ``G = H / Hkv`` heads sharing a KV head are stacked as rows, so
 each K/V row loaded serves all of them — and runs an online softmax over ``BLOCK_N`` keys at a
 time (base-2 exponentials, float32 statistics and accumulator). Decode launches with one query
-per sequence and ``BLOCK_M`` just above ``G``; prefill with a few tokens per block.
+per sequence and ``BLOCK_M`` just above ``G``; prefill with a few tokens per block. A decode
+batch too small to fill the GPU (``B * Hkv`` programs under the SM count) splits each context's
+keys over programs (axis 1 becomes the split: flash-decoding); each writes its normalised
+partial output and log-sum-exp, and ``_combine_splits_kernel`` merges them.
 
 Keys split into a main part and an optional tail (``D_TAIL``), each padded to a power of two on
 its own: MLA's latent ``[c_kv | k_pe]`` (``R + dr`` channels, e.g. 512 + 64) then costs 512 + 64
@@ -44,19 +47,24 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 @triton.jit
 def _paged_attn_kernel(
-    Q, K, V, Out, PageTable, CuQ, Starts,
-    scale, k_scale, v_scale, window,
+    Q, K, V, Out, PageTable, CuQ, Starts, Lse,
+    scale, k_scale, v_scale, window, split_len,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-    stride_ot, stride_oh, stride_pb,
-    G: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    stride_os, stride_ot, stride_oh, stride_pb, stride_ls, stride_lt,
+    G: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, DV: tl.constexpr,
     BLOCK_DM: tl.constexpr, BLOCK_DT: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     V_IS_K: tl.constexpr, FP8: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
-    blk = tl.program_id(1)
     hkv = tl.program_id(2)
+    if SPLIT:  # decode, keys split over programs: axis 1 is the key split, one query block
+        split = tl.program_id(1)
+        blk = 0
+    else:
+        split = 0
+        blk = tl.program_id(1)
     TOKENS: tl.constexpr = BLOCK_M // G  # query tokens per block
     q0 = tl.load(CuQ + b)
     n = tl.load(CuQ + b + 1) - q0
@@ -88,6 +96,9 @@ def _paged_attn_kernel(
     lo = 0
     if window > 0:
         lo = tl.maximum(start + blk * TOKENS - window + 1, 0)
+    if SPLIT:
+        lo = tl.maximum(lo, split * split_len)
+        hi = tl.minimum(hi, split * split_len + split_len)
     for k_start in range(lo, hi, BLOCK_N):
         k_pos = k_start + tl.arange(0, BLOCK_N)
         k_ok = k_pos < hi
@@ -135,10 +146,34 @@ def _paged_attn_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    o_rows = Out + (q0 + t)[:, None] * stride_ot + head[:, None] * stride_oh
+    o_rows = Out + split * stride_os + (q0 + t)[:, None] * stride_ot + head[:, None] * stride_oh
+    if SPLIT:  # this split's log-sum-exp (base 2, scaled scores); -inf where it saw no key
+        lse = m_i + tl.log2(l_i)
+        tl.store(Lse + split * stride_ls + (q0 + t) * stride_lt + head, lse, mask=row_ok)
     dvo = tl.arange(0, BLOCK_DV)
     tl.store(o_rows + dvo[None, :], out.to(Out.dtype.element_ty),
              mask=row_ok[:, None] & (dvo[None, :] < DV))  # fmt: skip
+
+
+@triton.jit
+def _combine_splits_kernel(
+    PartO, Lse, Out, num_splits,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+    DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """One (token, head): out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    ok = sp < num_splits
+    lse = tl.load(Lse + sp * stride_ls + t * stride_lt + h, mask=ok, other=float("-inf"))
+    m = tl.max(lse, 0)  # finite: the split holding the query's own key saw it
+    w = tl.exp2(lse - m)
+    d = tl.arange(0, BLOCK_DV)
+    o = tl.load(PartO + sp[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
+                mask=ok[:, None] & (d[None, :] < DV), other=0.0)  # fmt: skip
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < DV)
 
 
 def _pow2(n: int) -> int:
@@ -161,6 +196,8 @@ def paged_attention(
     window: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    max_ctx: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's new queries over its paged context.
 
@@ -170,8 +207,10 @@ def paged_attention(
     ``rope_dim`` key channels run as a separate tail; page_table: [B, P] int32 pages of each
     sequence; cu_q: [B + 1] int32; starts: [B] int32 position of each sequence's first new
     token; max_q: the most new tokens of a sequence (host int: sizes the grid); window: sliding
-    window in keys, or None; k_scale / v_scale: dequantization scales of fp8 caches. -> [T, H, Dv]
-    in q's dtype.
+    window in keys, or None; k_scale / v_scale: dequantization scales of fp8 caches; max_ctx:
+    the longest context (host int); num_splits: decode only, split each sequence's keys over
+    this many programs, combined by a second kernel (None: :func:`_auto_splits` from
+    ``max_ctx`` and the GPU's SM count). -> [T, H, Dv] in q's dtype.
     """
     T, H, Dk = q.shape
     Hkv = k_cache.shape[1]
@@ -193,25 +232,60 @@ def paged_attention(
     # raw bits as numbers (checked: 1e10 errors on a 16 x 16 product), so there bfloat16 runs
     # through float32 products too; on CUDA bfloat16 and float16 use the tensor cores.
     f32_dot = q.dtype == torch.float32 or (_INTERPRETED and q.dtype == torch.bfloat16)
-    out = q.new_empty(T, H, dv)
+    big = _pow2(d_main) > 128  # MLA's 512-channel latent: smaller tiles
+    block_n = 32 if big else 64
     if max_q == 1:  # decode: one query token per sequence, its G heads as the rows
         block_m = _pow2(G)
-        block_n = 64 if _pow2(d_main) <= 128 else 32
     else:
-        block_m = 64 if _pow2(d_main) <= 128 else 16
-        block_m = max(block_m, _pow2(G))
-        block_n = 64 if _pow2(d_main) <= 128 else 32
-    tokens = block_m // G
+        block_m = max(16 if big else 64, _pow2(G))
     B = page_table.shape[0]
-    grid = (B, triton.cdiv(max_q, tokens), Hkv)
+    if max_q != 1:
+        num_splits = 1
+    elif num_splits is None:
+        num_splits = _auto_splits(q.device, B * Hkv, max_ctx)
+    split_len = 0
+    if num_splits > 1:  # round the split to whole key blocks; drop splits that would be empty
+        split_len = triton.cdiv(triton.cdiv(max_ctx, num_splits), block_n) * block_n
+        num_splits = triton.cdiv(max_ctx, split_len)
+    out = q.new_empty(T, H, dv)
+    if num_splits > 1:
+        part = torch.empty(num_splits, T, H, dv, dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_splits, T, H, dtype=torch.float32, device=q.device)
+        grid = (B, num_splits, Hkv)
+    else:
+        part, lse = out, out  # lse unused
+        grid = (B, triton.cdiv(max_q, block_m // G), Hkv)
     _paged_attn_kernel[grid](
-        q, k_cache, v_cache, out, page_table, cu_q, starts,
-        scale, k_scale, v_scale, window or 0,
+        q, k_cache, v_cache, part, page_table, cu_q, starts, lse,
+        scale, k_scale, v_scale, window or 0, split_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), page_table.stride(0),
-        G=G, PAGE_SIZE=page_size, D_MAIN=d_main, D_TAIL=d_tail, DV=dv,
+        v_cache.stride(0), v_cache.stride(1),
+        part.stride(0) if num_splits > 1 else 0, part.stride(-3), part.stride(-2),
+        page_table.stride(0), lse.stride(0), lse.stride(1),
+        G=G, PAGE_SIZE=page_size, SPLIT=num_splits > 1, D_MAIN=d_main, D_TAIL=d_tail, DV=dv,
         BLOCK_DM=_pow2(d_main), BLOCK_DT=_pow2(d_tail) if d_tail else 16, BLOCK_DV=_pow2(dv),
         BLOCK_M=block_m, BLOCK_N=block_n,
         V_IS_K=v_is_k, FP8=fp8, F32_DOT=f32_dot,
     )  # fmt: skip
+    if num_splits > 1:
+        _combine_splits_kernel[(T, H)](
+            part, lse, out, num_splits,
+            part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            DV=dv, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_DV=_pow2(dv),
+        )  # fmt: skip
     return out
+
+
+SPLIT_MIN_KEYS = 256  # a decode split reads at least this many keys
+
+
+def _auto_splits(device: torch.device, programs: int, max_ctx: int | None) -> int:
+    """Key splits for a decode launch of ``programs`` (sequence, KV head) programs: enough to give
+    every SM about two programs, none shorter than ``SPLIT_MIN_KEYS`` keys (flash-decoding)."""
+    if max_ctx is None or device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= sms:
+        return 1
+    return max(1, min(triton.cdiv(max_ctx, SPLIT_MIN_KEYS), triton.cdiv(2 * sms, programs), 64))

@@ -22,6 +22,7 @@ CASES = {  # (start, new tokens) per sequence
     "decode": [(7, 1), (20, 1), (0, 1), (33, 1)],
     "prefill": [(0, 9), (0, 3), (0, 17)],
     "extend": [(5, 4), (17, 3), (0, 6), (30, 1)],
+    "longdecode": [(99, 1), (3, 1), (70, 1)],
 }
 
 
@@ -79,7 +80,7 @@ def reference(q, k_cache, v_cache, page_table, cu_q, starts, page_size, scale, v
 
 
 def run_case(ta, case, page_size, H, hkv, dk, dv, window, dtype=torch.float32, mla=False,
-             kv_dtype=None, scales=(1.0, 1.0), seed=0):  # fmt: skip
+             kv_dtype=None, scales=(1.0, 1.0), seed=0, splits=None):  # fmt: skip
     seqs = CASES[case]
     a = build(seqs, page_size, hkv, dk, dv, dtype, mla, seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -94,7 +95,8 @@ def run_case(ta, case, page_size, H, hkv, dk, dv, window, dtype=torch.float32, m
     out = ta.paged_attention(
         q, k_cache, v_cache, a["page_table"], a["cu_q"], a["starts"], a["max_q"], page_size,
         scale, v_dim=dv if mla else None, rope_dim=dk - dv if mla else 0, window=window,
-        k_scale=scales[0], v_scale=scales[1],
+        k_scale=scales[0], v_scale=scales[1], max_ctx=max(st + n for st, n in seqs),
+        num_splits=splits,
     )  # fmt: skip
     ref = reference(
         q, k_cache.float() if kv_dtype else k_cache,
@@ -139,6 +141,23 @@ def suite() -> dict[str, tuple[dict, float]]:
             dict(case=case, page_size=16, H=4, hkv=1, dk=48, dv=32, window=None, mla=True, **fp8),
             1e-5,
         )
+    # decode with the keys split over programs (flash-decoding) and merged by a second kernel:
+    # split length rounds to 64-key blocks, so 2 splits over contexts of up to 100 keys
+    for ps, w in ((1, None), (16, 5), (16, None)):
+        s[f"gqa-longdecode-page{ps}-window{w}-split"] = (
+            dict(case="longdecode", page_size=ps, H=6, hkv=2, dk=16, dv=16, window=w, splits=4),
+            1e-5,
+        )
+    s["mla-longdecode-split"] = (
+        dict(case="longdecode", page_size=16, H=4, hkv=1, dk=48, dv=32, window=None, mla=True,
+             splits=2),
+        1e-5,
+    )  # fmt: skip
+    s["fp8-float16-gqa-longdecode-split"] = (
+        dict(case="longdecode", page_size=16, H=6, hkv=2, dk=16, dv=16, window=None, splits=3,
+             dtype=torch.float16, kv_dtype=torch.float8_e4m3fn, scales=(0.05, 0.02)),
+        3e-3,
+    )  # fmt: skip
     for name, dt, tol in (("float16", torch.float16, 3e-3), ("bfloat16", torch.bfloat16, 2e-2)):
         s[f"{name}-gqa-extend-window5"] = (
             dict(case="extend", page_size=16, H=6, hkv=2, dk=16, dv=16, window=5, dtype=dt),
