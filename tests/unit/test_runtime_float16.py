@@ -1,5 +1,7 @@
 """float16 models: the runtime in float16 against transformers in float16 (tiny models of every
-family, and SmolLM2), greedy, equal up to a logit tie (``runtime_models.HALF_TIE``)."""
+family, and SmolLM2; SmolLM2 in bfloat16 too), greedy, equal up to a logit tie
+(``runtime_models.HALF_TIE`` / ``BF16_TIE``). Under ``PD_TEST_DEVICE=cuda`` (scripts/gpu_check.sh)
+the runtime side runs on the GPU, through the Triton attention kernel."""
 
 from __future__ import annotations
 
@@ -18,10 +20,10 @@ KINDS = ["llama", "qwen2", "mistral", "deepseek_v3", "deepseek_v2"]
 MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "models", "smollm2-135m-instruct")
 
 
-def hf_half(path: str):
+def hf_half(path: str, dtype: str = "float16"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
 
 
 def test_float16_is_a_model_dtype():
@@ -45,12 +47,13 @@ def test_float16_greedy_matches_transformers_float16(kind):
 
 
 @pytest.mark.slow
-def test_smollm2_float16_greedy_matches_transformers_float16():
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_smollm2_half_greedy_matches_transformers_same_dtype(dtype):
     from backends.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer(MODEL)
-    runner = ModelRunner.load(MODEL, dtype="float16")
-    hf = hf_half(MODEL)
+    runner = ModelRunner.load(MODEL, dtype=dtype)
+    hf = hf_half(MODEL, dtype)
     pool = runner.make_pool(64, 16)
     pool.shuffle_free_list(seed=5)
     engine = LLMEngine(runner, pool, max_batch=4)
@@ -59,6 +62,7 @@ def test_smollm2_float16_greedy_matches_transformers_float16():
     seqs = engine.generate([(p, SamplingParams(max_tokens=24)) for p in prompts])
     for prompt, seq in zip(prompts, seqs, strict=True):
         want = rm.greedy_generate(hf, prompt, len(seq.output_ids))
-        rm.assert_greedy_matches_up_to_tie(hf, prompt, seq.output_ids, want)
+        tie = rm.HALF_TIE if dtype == "float16" else rm.BF16_TIE
+        rm.assert_greedy_matches_up_to_tie(hf, prompt, seq.output_ids, want, tie)
     assert "Paris" in tok.decode(seqs[0].output_ids)
     assert pool.num_free == 64
