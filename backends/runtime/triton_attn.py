@@ -14,9 +14,11 @@ step are one code path. Nothing is gathered or padded on the host.
 
 Grid: ``(B, query blocks, Hkv)``. A program takes ``BLOCK_M`` rows, each one (query token, query
 head of this KV head) pair — the ``G = H / Hkv`` heads sharing a KV head are stacked as rows, so
-each K/V row loaded serves all of them — and runs an online softmax over ``BLOCK_N`` keys at a
-time (base-2 exponentials, float32 statistics and accumulator). Decode launches with one query
-per sequence and ``BLOCK_M`` just above ``G``; prefill with a few tokens per block. A decode
+each K/V row loaded serves all of them (MLA's 16-128 heads on its one latent are cut into
+groups of 16 over ``HEAD_SPLIT`` programs: a 128 x 512 float32 accumulator would spill) — and
+runs an online softmax over ``BLOCK_N`` keys at a time (base-2 exponentials, float32 statistics
+and accumulator). Decode launches with one query per sequence and ``BLOCK_M`` just above ``G``;
+prefill with a few tokens per block. A decode
 batch too small to fill the GPU (``B * Hkv`` programs under the SM count) splits each context's
 keys over programs (axis 1 becomes the split: flash-decoding); each writes its normalised
 partial output and log-sum-exp, and ``_combine_splits_kernel`` merges them.
@@ -43,6 +45,9 @@ import triton
 import triton.language as tl
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# 8 warps: compiled for sm_90 without a GPU (tests/unit/test_triton_attn_compile.py), 4 warps
+# spilled (fp16 prefill at 128 channels: 255 registers + 424 B of stack; 8 warps: 238, none)
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -51,21 +56,21 @@ def _paged_attn_kernel(
     scale, k_scale, v_scale, window, split_len,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
     stride_os, stride_ot, stride_oh, stride_pb, stride_ls, stride_lt,
-    G: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+    G: tl.constexpr, HEAD_SPLIT: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, DV: tl.constexpr,
     BLOCK_DM: tl.constexpr, BLOCK_DT: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr,
     V_IS_K: tl.constexpr, FP8: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
-    hkv = tl.program_id(2)
+    hq = tl.program_id(2)  # a group of G query heads; HEAD_SPLIT groups share a KV head
+    hkv = hq // HEAD_SPLIT
     if SPLIT:  # decode, keys split over programs: axis 1 is the key split, one query block
         split = tl.program_id(1)
         blk = 0
     else:
         split = 0
         blk = tl.program_id(1)
-    TOKENS: tl.constexpr = BLOCK_M // G  # query tokens per block
     q0 = tl.load(CuQ + b)
     n = tl.load(CuQ + b + 1) - q0
     if blk * TOKENS >= n:
@@ -74,7 +79,7 @@ def _paged_attn_kernel(
 
     rows = tl.arange(0, BLOCK_M)
     t = blk * TOKENS + rows // G  # query token within the sequence
-    head = hkv * G + rows % G
+    head = hq * G + rows % G
     row_ok = (rows < TOKENS * G) & (t < n)
     q_pos = start + t
     dm = tl.arange(0, BLOCK_DM)
@@ -93,9 +98,9 @@ def _paged_attn_kernel(
     qk_scale = scale * 1.4426950408889634  # exp(x) = exp2(x * log2 e)
 
     hi = start + tl.minimum(n, blk * TOKENS + TOKENS)  # keys past the block's last query: none
-    lo = 0
-    if window > 0:
-        lo = tl.maximum(start + blk * TOKENS - window + 1, 0)
+    # with a window: no key before the first query's window (branch-free: no type merge)
+    lo = tl.where(window > 0, tl.maximum(start + blk * TOKENS - window + 1, 0), 0)
+    w_lo = tl.where(window > 0, q_pos - window, -1)  # [BLOCK_M] keys must be past this
     if SPLIT:
         lo = tl.maximum(lo, split * split_len)
         hi = tl.minimum(hi, split * split_len + split_len)
@@ -122,9 +127,7 @@ def _paged_attn_kernel(
                             input_precision="ieee")  # fmt: skip
             else:
                 s += tl.dot(q_tail, tl.trans(kt))
-        seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        if window > 0:
-            seen = seen & (k_pos[None, :] > q_pos[:, None] - window)
+        seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > w_lo[:, None])
         s = tl.where(seen, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
@@ -216,7 +219,7 @@ def paged_attention(
     Hkv = k_cache.shape[1]
     if H % Hkv:
         raise ValueError(f"{H} query heads do not group over {Hkv} KV heads")
-    G = H // Hkv
+    G, head_split = H // Hkv, 1
     v_is_k = v_cache is None
     if v_is_k:
         if v_dim is None:
@@ -234,6 +237,8 @@ def paged_attention(
     f32_dot = q.dtype == torch.float32 or (_INTERPRETED and q.dtype == torch.bfloat16)
     big = _pow2(d_main) > 128  # MLA's 512-channel latent: smaller tiles
     block_n = 32 if big else 64
+    while G > (16 if big else 64) and G % 2 == 0:  # MLA's 16-128 heads: over programs
+        G, head_split = G // 2, head_split * 2
     if max_q == 1:  # decode: one query token per sequence, its G heads as the rows
         block_m = _pow2(G)
     else:
@@ -251,10 +256,10 @@ def paged_attention(
     if num_splits > 1:
         part = torch.empty(num_splits, T, H, dv, dtype=torch.float32, device=q.device)
         lse = torch.empty(num_splits, T, H, dtype=torch.float32, device=q.device)
-        grid = (B, num_splits, Hkv)
+        grid = (B, num_splits, Hkv * head_split)
     else:
         part, lse = out, out  # lse unused
-        grid = (B, triton.cdiv(max_q, block_m // G), Hkv)
+        grid = (B, triton.cdiv(max_q, block_m // G), Hkv * head_split)
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, part, page_table, cu_q, starts, lse,
         scale, k_scale, v_scale, window or 0, split_len,
@@ -262,10 +267,11 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1),
         part.stride(0) if num_splits > 1 else 0, part.stride(-3), part.stride(-2),
         page_table.stride(0), lse.stride(0), lse.stride(1),
-        G=G, PAGE_SIZE=page_size, SPLIT=num_splits > 1, D_MAIN=d_main, D_TAIL=d_tail, DV=dv,
+        G=G, HEAD_SPLIT=head_split, PAGE_SIZE=page_size, SPLIT=num_splits > 1,
+        D_MAIN=d_main, D_TAIL=d_tail, DV=dv,
         BLOCK_DM=_pow2(d_main), BLOCK_DT=_pow2(d_tail) if d_tail else 16, BLOCK_DV=_pow2(dv),
-        BLOCK_M=block_m, BLOCK_N=block_n,
-        V_IS_K=v_is_k, FP8=fp8, F32_DOT=f32_dot,
+        BLOCK_M=block_m, BLOCK_N=block_n, TOKENS=block_m // G,
+        V_IS_K=v_is_k, FP8=fp8, F32_DOT=f32_dot, num_warps=NUM_WARPS,
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits_kernel[(T, H)](

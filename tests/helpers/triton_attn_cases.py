@@ -80,7 +80,7 @@ def reference(q, k_cache, v_cache, page_table, cu_q, starts, page_size, scale, v
 
 
 def run_case(ta, case, page_size, H, hkv, dk, dv, window, dtype=torch.float32, mla=False,
-             kv_dtype=None, scales=(1.0, 1.0), seed=0, splits=None):  # fmt: skip
+             kv_dtype=None, scales=(1.0, 1.0), seed=0, splits=None, device="cpu"):  # fmt: skip
     seqs = CASES[case]
     a = build(seqs, page_size, hkv, dk, dv, dtype, mla, seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -92,8 +92,10 @@ def run_case(ta, case, page_size, H, hkv, dk, dv, window, dtype=torch.float32, m
     elif v_cache is not None:
         v_cache = v_cache.to(dtype)
     scale = dk**-0.5
+    on = {n: t.to(device) for n, t in a.items() if isinstance(t, torch.Tensor)}
     out = ta.paged_attention(
-        q, k_cache, v_cache, a["page_table"], a["cu_q"], a["starts"], a["max_q"], page_size,
+        q.to(device), k_cache.to(device), None if v_cache is None else v_cache.to(device),
+        on["page_table"], on["cu_q"], on["starts"], a["max_q"], page_size,
         scale, v_dim=dv if mla else None, rope_dim=dk - dv if mla else 0, window=window,
         k_scale=scales[0], v_scale=scales[1], max_ctx=max(st + n for st, n in seqs),
         num_splits=splits,
@@ -104,7 +106,7 @@ def run_case(ta, case, page_size, H, hkv, dk, dv, window, dtype=torch.float32, m
         a["page_table"], a["cu_q"], a["starts"], page_size, scale, dv, window, *scales,
     )  # fmt: skip
     assert out.dtype == dtype and out.shape == ref.shape
-    return out.double(), ref
+    return out.cpu().double(), ref
 
 
 def suite() -> dict[str, tuple[dict, float]]:
@@ -153,6 +155,11 @@ def suite() -> dict[str, tuple[dict, float]]:
              splits=2),
         1e-5,
     )  # fmt: skip
+    for case in ("decode", "extend"):  # 32 heads on a 512 + 64 latent: 2 head groups of 16
+        s[f"mla-{case}-heads32-latent512"] = (
+            dict(case=case, page_size=16, H=32, hkv=1, dk=576, dv=512, window=None, mla=True),
+            1e-5,
+        )
     s["fp8-float16-gqa-longdecode-split"] = (
         dict(case="longdecode", page_size=16, H=6, hkv=2, dk=16, dv=16, window=None, splits=3,
              dtype=torch.float16, kv_dtype=torch.float8_e4m3fn, scales=(0.05, 0.02)),
