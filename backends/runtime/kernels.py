@@ -23,6 +23,8 @@ Three settings, read from the environment when a model loads (``KernelSettings.f
   shapes: 0.52 / 1.23 / 0.06 ms a layer against 1.08 / 2.78 / 0.17 for gather + SDPA), float32
   prefill runs causal blocks on sgemm (:mod:`backends.runtime.prefill_attn`; 3.3-3.7 ms a layer
   at 1 x 512 against 5.3-6.6 for SDPA); SDPA elsewhere or where the kernels cannot be built;
+  On CUDA, ``auto`` runs the Triton paged-attention kernel for every kind of forward
+  (:mod:`backends.runtime.cuda_attn`, :mod:`backends.runtime.triton_attn`).
   ``sdpa``: always SDPA (decode: gather + SDPA); ``compiled``: the ``torch.compile``'d decode
   kernel (:mod:`backends.runtime.decode_attn`).
 * ``PD_RUNTIME_FUSED`` = ``auto`` (default) | ``torch``: the elementwise work of a layer.
