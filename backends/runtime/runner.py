@@ -14,6 +14,7 @@ import torch
 from kvtransfer.layout import EntryLayout
 
 from .config import ModelConfig
+from .cuda_graphs import DecodeGraphs, graphs_requested
 from .dtypes import model_dtype
 from .kv_pool import KVPool
 from .model import CausalLM
@@ -36,6 +37,16 @@ class ModelRunner:
         self.model = model
         self.dtype = dtype
         self.device = torch.device(device)
+        # decode steps from CUDA graphs (PD_RUNTIME_CUDA_GRAPHS=1; GQA models on CUDA with the
+        # Triton attention); tests may set use_graphs / graph_factory to run them on CPU
+        self.use_graphs = (
+            graphs_requested()
+            and self.device.type == "cuda"
+            and config.attn == "gqa"
+            and type(self) is ModelRunner  # not a tensor-parallel rank
+        )
+        self.graph_factory = None
+        self._graphs: dict[int, DecodeGraphs] = {}
 
     @classmethod
     def load(
@@ -171,6 +182,7 @@ class ModelRunner:
         logits = self.model.logits(h)  # [T, vocab]
         return list(logits.split(meta.lengths))
 
+    @torch.inference_mode()
     def decode(
         self,
         pool: KVPool,
@@ -181,7 +193,22 @@ class ModelRunner:
         """One new token per sequence -> logits [B, vocab] float32."""
         if not len(tokens) == len(positions) == len(page_tables):
             raise ValueError("tokens, positions and page_tables must have the same length")
+        if self.use_graphs:
+            out = self._decode_graphs(pool).run(tokens, positions, page_tables)
+            if out is not None:
+                return out
         seqs = [
             SeqInput([t], p, pt) for t, p, pt in zip(tokens, positions, page_tables, strict=True)
         ]
         return torch.cat(self.forward(pool, seqs))
+
+    @torch.inference_mode()
+    def _decode_graphs(self, pool: KVPool) -> DecodeGraphs:
+        graphs = self._graphs.get(id(pool))
+        if graphs is None:
+            self._check_pool(pool)
+            pages = -(-self.config.max_position_embeddings // pool.page_size)
+            max_pages = min(pool.num_pages, pages)
+            graphs = DecodeGraphs(self, pool, max_pages, self.graph_factory)
+            self._graphs[id(pool)] = graphs
+        return graphs

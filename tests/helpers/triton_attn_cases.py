@@ -242,6 +242,55 @@ def runtime_cases() -> dict[str, dict]:
             "ref_max": 1.0,
             "seconds": time.perf_counter() - t0,
         }
+    results.update(graph_cases(calls))
+    return results
+
+
+GRAPH_KINDS = ("llama", "mistral")
+
+
+def graph_cases(calls: list) -> dict[str, dict]:
+    """Decode steps through :class:`backends.runtime.cuda_graphs.DecodeGraphs` with a stand-in
+    for CUDA graphs (capture = run once, replay = run again into the same output): the static
+    buffers, the bucket padding (3 sequences in the bucket of 4, the 4th on the scratch page)
+    and the Triton attention on them give transformers' greedy tokens."""
+    import runtime_models as rm
+
+    from backends.runtime.engine import LLMEngine
+    from backends.runtime.runner import ModelRunner
+    from backends.runtime.sampler import SamplingParams
+
+    def fake_capture(fn):
+        out = fn()
+        return (lambda: out.copy_(fn())), out
+
+    results = {}
+    for kind in GRAPH_KINDS:
+        t0, err = time.perf_counter(), None
+        try:
+            runner = ModelRunner.load(rm.checkpoint(kind))
+            runner.use_graphs, runner.graph_factory = True, fake_capture
+            prompts = [rm.random_prompt(n, seed=n) for n in (5, 19, 9)]
+            pool = runner.make_pool(24, 4)
+            pool.shuffle_free_list(seed=2)
+            engine = LLMEngine(runner, pool, max_batch=4)
+            steps = (8, 3, 8)  # one sequence ends early: buckets 4, then 2
+            reqs = [(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts, steps, strict=True)]
+            seqs = engine.generate(reqs)
+            graphs = runner._graphs[id(pool)]
+            assert sorted(graphs.graphs) == [2, 4], sorted(graphs.graphs)  # 3 seqs, then 2 left
+            for p, n, seq in zip(prompts, steps, seqs, strict=True):
+                want = rm.hf_greedy(kind, p, n)
+                assert seq.output_ids == want, (kind, seq.output_ids, want)
+            assert pool.num_free == 24 - 1  # the scratch page, held by the graphs
+        except AssertionError as e:
+            err = str(e) or repr(e)
+        results[f"graphs-{kind}"] = {
+            "error": err,
+            "max_err": 0.0,
+            "ref_max": 1.0,
+            "seconds": time.perf_counter() - t0,
+        }
     return results
 
 

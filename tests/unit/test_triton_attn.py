@@ -37,7 +37,14 @@ def results():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", [*cases.suite(), *(f"runtime-{k}" for k in cases.RUNTIME_KINDS)])
+@pytest.mark.parametrize(
+    "name",
+    [
+        *cases.suite(),
+        *(f"runtime-{k}" for k in cases.RUNTIME_KINDS),
+        *(f"graphs-{k}" for k in cases.GRAPH_KINDS),
+    ],
+)
 def test_kernel_matches_float64_reference(results, name):
     r = results[name]
     assert r["error"] is None, r["error"]
