@@ -8,6 +8,7 @@
 #    with the Triton attention kernel (the CUDA default) and again with gather + SDPA;
 #    the Triton kernel against a float64 reference on the GPU (GQA, window, MLA, fp8 KV, splits);
 #    float16 models (tiny + SmolLM2) and SmolLM2 bfloat16 greedy == transformers in that dtype;
+#    decode from CUDA graphs (opt-in PD_RUNTIME_CUDA_GRAPHS=1) == eager == transformers;
 # 2. byte-exact grouped KV transfers between OS processes from CUDA pools (GQA and MLA);
 # 3. end to end through tritonserver with prefill and decode placed on GPUs (two GPUs when there
 #    are two: --prefill-gpus 0 --decode-gpus 1; else both on GPU 0), greedy == transformers;
@@ -54,6 +55,7 @@ run oracle_sdpa env PD_RUNTIME_ATTENTION=sdpa "$VPY" -m pytest -q -p no:cachepro
 run kernels "$VPY" -m pytest -q -p no:cacheprovider tests/unit/test_triton_attn_cuda.py \
   tests/unit/test_triton_attn_compile.py
 run half "$VPY" -m pytest -q -p no:cacheprovider tests/unit/test_runtime_float16.py
+run graphs "$VPY" -m pytest -q -p no:cacheprovider tests/unit/test_cuda_graphs.py
 step "2/4 byte-exact grouped transfers from CUDA pools (GQA, MLA, MLA + GQA draft)"
 run transfers "$VPY" -m pytest -q -p no:cacheprovider tests/integration/test_transfer_bytes.py \
   tests/integration/test_transfer_overlap.py
@@ -68,6 +70,8 @@ run bench_runtime_sdpa env PD_RUNTIME_ATTENTION=sdpa "$VPY" scripts/bench/bench_
   --device cuda --runs 3 --json
 run bench_runtime_fp16 "$VPY" scripts/bench/bench_runtime.py --device cuda --runs 3 \
   --dtype float16 --json
+run bench_runtime_graphs env PD_RUNTIME_CUDA_GRAPHS=1 "$VPY" scripts/bench/bench_runtime.py \
+  --device cuda --runs 3 --json
 
 step "summary"
 printf '%s\n' "${STATUS[@]}"
@@ -93,7 +97,8 @@ if s:
                         "short_prompt_pipelined_over_serial") if k in s]
     print("TTFT:", ", ".join(f"{k} {s[k]}" for k in keys), "| ttft_ms", s.get("ttft_ms"))
 for log, what in (("bench_runtime", "triton attention"), ("bench_runtime_sdpa", "gather + SDPA"),
-                  ("bench_runtime_fp16", "float16, triton attention")):
+                  ("bench_runtime_fp16", "float16, triton attention"),
+                  ("bench_runtime_graphs", "CUDA graphs on")):
     r = last_json(log)
     if r:
         for impl, res in r["results"].items():

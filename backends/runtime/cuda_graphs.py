@@ -16,9 +16,10 @@ touch no sequence's pages. Attention goes through the Triton kernel, which reads
 buffers (the key splits are fixed by ``max_pages``: empty splits cost an early exit).
 
 Only models whose step has no host synchronisation can be captured: GQA models (the MoE layers
-of DeepSeek count tokens per expert on the host). A capture that fails logs one warning and the
-runner stays eager. ``graph_factory`` lets the tests replace CUDA graphs with plain re-execution
-on CPU (interpreted Triton), which checks the static-buffer plumbing without a GPU.
+of DeepSeek count tokens per expert on the host; the runner does not try them). A capture that
+fails logs one warning and the runner stays eager. ``graph_factory`` lets the tests replace
+CUDA graphs with plain re-execution on CPU (interpreted Triton), which checks the static-buffer
+plumbing without a GPU.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from .paged import BatchMeta
 
@@ -88,7 +90,7 @@ class DecodeGraphs:
             write_slots=self.write_slots[:bucket],
             # shape only (the Triton path sizes its key splits from it); never read
             read_slots=self.ids.new_zeros(1, 1).expand(bucket, max_ctx),
-            ctx_lens=self.positions[:bucket] + 1,
+            ctx_lens=self.positions[:bucket],  # unused on the Triton path
             q_index=self.ids[:bucket],  # unused on the Triton path
             mask=None,
             lengths=[1] * bucket,
@@ -107,7 +109,8 @@ class DecodeGraphs:
         layers = self.runner.config.num_layers
 
         def step() -> torch.Tensor:
-            h = model.embed(self.ids[:bucket])  # [bucket, hidden]
+            # model.embed checks the ids on the host (a sync, not capturable): run() checks them
+            h = F.embedding(self.ids[:bucket], model.embed_tokens)  # [bucket, hidden]
             h = model.run_layers(h, meta, pool.tensor, 0, layers)
             return model.logits(h)  # [bucket, vocab] float32
 
@@ -119,6 +122,8 @@ class DecodeGraphs:
         B = len(tokens)
         if self.failed or B > BUCKETS[-1] or max(map(len, page_tables)) > self.max_pages:
             return None
+        if not all(0 <= t < self.runner.config.vocab_size for t in tokens):
+            return None  # the eager path raises the error
         bucket = next(b for b in BUCKETS if b >= B)
         ps, scratch = self.pool.page_size, self.scratch_page
         table = torch.full((bucket, self.max_pages), scratch, dtype=torch.int32)

@@ -6,6 +6,7 @@ pages) into logits and KV writes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,10 +17,12 @@ from kvtransfer.layout import EntryLayout
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, graphs_requested
 from .dtypes import model_dtype
-from .kv_pool import KVPool
+from .kv_pool import KVPool, OutOfPagesError
 from .model import CausalLM
 from .paged import BatchMeta
 from .weights import WeightReader, load_weights
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,7 +49,7 @@ class ModelRunner:
             and type(self) is ModelRunner  # not a tensor-parallel rank
         )
         self.graph_factory = None
-        self._graphs: dict[int, DecodeGraphs] = {}
+        self._graphs: dict[int, DecodeGraphs | None] = {}
 
     @classmethod
     def load(
@@ -193,8 +196,9 @@ class ModelRunner:
         """One new token per sequence -> logits [B, vocab] float32."""
         if not len(tokens) == len(positions) == len(page_tables):
             raise ValueError("tokens, positions and page_tables must have the same length")
-        if self.use_graphs:
-            out = self._decode_graphs(pool).run(tokens, positions, page_tables)
+        graphs = self._decode_graphs(pool) if self.use_graphs else None
+        if graphs is not None:
+            out = graphs.run(tokens, positions, page_tables)
             if out is not None:
                 return out
         seqs = [
@@ -203,12 +207,15 @@ class ModelRunner:
         return torch.cat(self.forward(pool, seqs))
 
     @torch.inference_mode()
-    def _decode_graphs(self, pool: KVPool) -> DecodeGraphs:
-        graphs = self._graphs.get(id(pool))
-        if graphs is None:
+    def _decode_graphs(self, pool: KVPool) -> DecodeGraphs | None:
+        """This pool's graphs; None (decode eagerly) where no page is free for their scratch."""
+        if id(pool) not in self._graphs:
             self._check_pool(pool)
             pages = -(-self.config.max_position_embeddings // pool.page_size)
             max_pages = min(pool.num_pages, pages)
-            graphs = DecodeGraphs(self, pool, max_pages, self.graph_factory)
-            self._graphs[id(pool)] = graphs
-        return graphs
+            try:
+                self._graphs[id(pool)] = DecodeGraphs(self, pool, max_pages, self.graph_factory)
+            except OutOfPagesError:
+                log.warning("CUDA graphs need one free page of the pool; decoding eagerly")
+                self._graphs[id(pool)] = None
+        return self._graphs[id(pool)]
