@@ -18,10 +18,10 @@ each K/V row loaded serves all of them (MLA's 16-128 heads on its one latent are
 groups of 16 over ``HEAD_SPLIT`` programs: a 128 x 512 float32 accumulator would spill) — and
 runs an online softmax over ``BLOCK_N`` keys at a time (base-2 exponentials, float32 statistics
 and accumulator). Decode launches with one query per sequence and ``BLOCK_M`` just above ``G``;
-prefill with a few tokens per block. A decode
-batch too small to fill the GPU (``B * Hkv`` programs under the SM count) splits each context's
-keys over programs (axis 1 becomes the split: flash-decoding); each writes its normalised
-partial output and log-sum-exp, and ``_combine_splits_kernel`` merges them.
+prefill with a few tokens per block. A decode batch too small to fill the GPU (``B * Hkv``
+programs under the SM count) splits each context's keys over programs (axis 1 becomes the
+split: flash-decoding); each writes its normalised partial output and log-sum-exp, and
+``_combine_splits_kernel`` merges them.
 
 Keys split into a main part and an optional tail (``D_TAIL``), each padded to a power of two on
 its own: MLA's latent ``[c_kv | k_pe]`` (``R + dr`` channels, e.g. 512 + 64) then costs 512 + 64
@@ -32,8 +32,9 @@ fp8 KV (``float8_e4m3fn`` pools with one scale per layer and component): rows ar
 float32, multiplied by the scale and rounded to the query dtype before the matmuls.
 
 float32 models multiply in IEEE float32 (no TF32), so the CUDA path matches the CPU reference.
-Under ``TRITON_INTERPRET=1`` (set before the kernels are defined) the same kernels run on CPU
-tensors; ``tests/unit/test_triton_attn.py`` checks them so against a float64 reference.
+Under ``TRITON_INTERPRET=1`` (set before ``triton`` is first imported) the same kernels run on
+CPU tensors; ``tests/unit/test_triton_attn.py`` checks them so against a float64 reference, and
+``tests/unit/test_triton_attn_compile.py`` compiles them for sm_90 without a GPU.
 """
 
 from __future__ import annotations
