@@ -52,6 +52,63 @@ NUM_WARPS = 8
 
 
 @triton.jit
+def _load_rows(rows, cols, n_cols: tl.constexpr, ok, scale, like, FP8: tl.constexpr):
+    """[len(rows), len(cols)] from row start pointers ``rows``; fp8 rows dequantized with
+    ``scale`` into ``like``'s dtype."""
+    x = tl.load(rows[:, None] + cols[None, :], mask=ok[:, None] & (cols[None, :] < n_cols),
+                other=0.0)  # fmt: skip
+    if FP8:
+        x = (x.to(tl.float32) * scale).to(like.dtype)
+    return x
+
+
+@triton.jit
+def _slots(pages, k_pos, k_ok, PAGE_SIZE: tl.constexpr):
+    """Pool slots of key positions k_pos through one sequence's page-table row ``pages``."""
+    page = tl.load(pages + k_pos // PAGE_SIZE, mask=k_ok, other=0)
+    return page.to(tl.int64) * PAGE_SIZE + k_pos % PAGE_SIZE
+
+
+@triton.jit
+def _store_rows(rows, cols, n_cols: tl.constexpr, ok, x):
+    tl.store(rows[:, None] + cols[None, :], x.to(rows.dtype.element_ty),
+             mask=ok[:, None] & (cols[None, :] < n_cols))  # fmt: skip
+
+
+@triton.jit
+def _dot_t(a, b, F32_DOT: tl.constexpr):
+    """a @ b^T, float32 out (IEEE products for float32 models)."""
+    if F32_DOT:
+        r = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+    else:
+        r = tl.dot(a, tl.trans(b))
+    return r
+
+
+@triton.jit
+def _dot_pv(p, v, F32_DOT: tl.constexpr):
+    """p (float32 probabilities) @ v, float32 out."""
+    if F32_DOT:
+        r = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        r = tl.dot(p.to(v.dtype), v)
+    return r
+
+
+@triton.jit
+def _online_softmax(s, seen, m_i, l_i, acc):
+    """One key block of scores s (times scale * log2 e: exp(x) = exp2(x log2 e)) into the
+    running max, sum and accumulator.
+    -> (p, m, l, acc rescaled); rows that saw no key yet keep a max of -inf and weights 0."""
+    s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
+
+
+@triton.jit
 def _paged_attn_kernel(
     Q, K, V, Out, PageTable, CuQ, Starts, Lse,
     scale, k_scale, v_scale, window, split_len,
@@ -63,100 +120,55 @@ def _paged_attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr,
     V_IS_K: tl.constexpr, FP8: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    hq = tl.program_id(2)  # a group of G query heads; HEAD_SPLIT groups share a KV head
+    b, hq = tl.program_id(0), tl.program_id(2)  # hq: G query heads; HEAD_SPLIT share a KV head
     hkv = hq // HEAD_SPLIT
-    if SPLIT:  # decode, keys split over programs: axis 1 is the key split, one query block
-        split = tl.program_id(1)
-        blk = 0
-    else:
-        split = 0
-        blk = tl.program_id(1)
+    split = tl.program_id(1) if SPLIT else 0  # decode split over keys: one query block
+    blk = 0 if SPLIT else tl.program_id(1)
     q0 = tl.load(CuQ + b)
     n = tl.load(CuQ + b + 1) - q0
     if blk * TOKENS >= n:
         return
     start = tl.load(Starts + b)
-
     rows = tl.arange(0, BLOCK_M)
     t = blk * TOKENS + rows // G  # query token within the sequence
     head = hq * G + rows % G
     row_ok = (rows < TOKENS * G) & (t < n)
     q_pos = start + t
-    dm = tl.arange(0, BLOCK_DM)
-    q_rows = Q + (q0 + t)[:, None] * stride_qt + head[:, None] * stride_qh
-    q = tl.load(q_rows + dm[None, :], mask=row_ok[:, None] & (dm[None, :] < D_MAIN), other=0.0)
+    dm, dt, dv = tl.arange(0, BLOCK_DM), tl.arange(0, BLOCK_DT), tl.arange(0, BLOCK_DV)
+    q_rows = Q + (q0 + t) * stride_qt + head * stride_qh
+    q = _load_rows(q_rows, dm, D_MAIN, row_ok, 1.0, dm, False)
     if D_TAIL > 0:
-        dt = tl.arange(0, BLOCK_DT)
-        tail_ok = row_ok[:, None] & (dt[None, :] < D_TAIL)
-        q_tail = tl.load(q_rows + D_MAIN + dt[None, :], mask=tail_ok, other=0.0)
-    if not V_IS_K:
-        dv = tl.arange(0, BLOCK_DV)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+        q_tail = _load_rows(q_rows + D_MAIN, dt, D_TAIL, row_ok, 1.0, dm, False)
+    m_i, l_i = tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    qk_scale = scale * 1.4426950408889634  # exp(x) = exp2(x * log2 e)
-
     hi = start + tl.minimum(n, blk * TOKENS + TOKENS)  # keys past the block's last query: none
-    # with a window: no key before the first query's window (branch-free: no type merge)
+    # a window: no key before the block's first window; row r sees keys past w_lo[r]
     lo = tl.where(window > 0, tl.maximum(start + blk * TOKENS - window + 1, 0), 0)
-    w_lo = tl.where(window > 0, q_pos - window, -1)  # [BLOCK_M] keys must be past this
+    w_lo = tl.where(window > 0, q_pos - window, -1)  # (branch-free: no type merge)
     if SPLIT:
-        lo = tl.maximum(lo, split * split_len)
-        hi = tl.minimum(hi, split * split_len + split_len)
+        lo, hi = tl.maximum(lo, split * split_len), tl.minimum(hi, split * split_len + split_len)
     for k_start in range(lo, hi, BLOCK_N):
         k_pos = k_start + tl.arange(0, BLOCK_N)
         k_ok = k_pos < hi
-        page = tl.load(PageTable + b * stride_pb + k_pos // PAGE_SIZE, mask=k_ok, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + k_pos % PAGE_SIZE
-        k_rows = K + slot[:, None] * stride_ks + hkv * stride_kh
-        k = tl.load(k_rows + dm[None, :], mask=k_ok[:, None] & (dm[None, :] < D_MAIN), other=0.0)
-        if FP8:
-            k = (k.to(tl.float32) * k_scale).to(Q.dtype.element_ty)
-        if F32_DOT:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        slot = _slots(PageTable + b * stride_pb, k_pos, k_ok, PAGE_SIZE)
+        k_rows = K + slot * stride_ks + hkv * stride_kh
+        k = _load_rows(k_rows, dm, D_MAIN, k_ok, k_scale, q, FP8)
+        s = _dot_t(q, k, F32_DOT)
         if D_TAIL > 0:
-            kt = tl.load(k_rows + D_MAIN + dt[None, :], mask=k_ok[:, None] & (dt[None, :] < D_TAIL),
-                         other=0.0)  # fmt: skip
-            if FP8:
-                kt = (kt.to(tl.float32) * k_scale).to(Q.dtype.element_ty)
-            if F32_DOT:
-                s += tl.dot(q_tail.to(tl.float32), tl.trans(kt.to(tl.float32)),
-                            input_precision="ieee")  # fmt: skip
-            else:
-                s += tl.dot(q_tail, tl.trans(kt))
+            s += _dot_t(q_tail, _load_rows(k_rows + D_MAIN, dt, D_TAIL, k_ok, k_scale, q, FP8),
+                        F32_DOT)  # fmt: skip
         seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > w_lo[:, None])
-        s = tl.where(seen, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        p, m_i, l_i, acc = _online_softmax(s * (scale * 1.4426950408889634), seen, m_i, l_i, acc)
         if V_IS_K:
             v = k  # MLA: the values are the latent's first DV (= D_MAIN) channels
         else:
-            v_rows = V + slot[:, None] * stride_vs + hkv * stride_vh
-            v = tl.load(v_rows + dv[None, :], mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
-            if FP8:
-                v = (v.to(tl.float32) * v_scale).to(Q.dtype.element_ty)
-        if F32_DOT:
-            acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    o_rows = Out + split * stride_os + (q0 + t)[:, None] * stride_ot + head[:, None] * stride_oh
+            v = _load_rows(V + slot * stride_vs + hkv * stride_vh, dv, DV, k_ok, v_scale, q, FP8)
+        acc += _dot_pv(p, v, F32_DOT)
+    o_rows = Out + split * stride_os + (q0 + t) * stride_ot + head * stride_oh
+    _store_rows(o_rows, dv, DV, row_ok, acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None])
     if SPLIT:  # this split's log-sum-exp (base 2, scaled scores); -inf where it saw no key
-        lse = m_i + tl.log2(l_i)
-        tl.store(Lse + split * stride_ls + (q0 + t) * stride_lt + head, lse, mask=row_ok)
-    dvo = tl.arange(0, BLOCK_DV)
-    tl.store(o_rows + dvo[None, :], out.to(Out.dtype.element_ty),
-             mask=row_ok[:, None] & (dvo[None, :] < DV))  # fmt: skip
+        tl.store(Lse + split * stride_ls + (q0 + t) * stride_lt + head, m_i + tl.log2(l_i),
+                 mask=row_ok)  # fmt: skip
 
 
 @triton.jit
@@ -216,72 +228,100 @@ def paged_attention(
     this many programs, combined by a second kernel (None: :func:`_auto_splits` from
     ``max_ctx`` and the GPU's SM count). -> [T, H, Dv] in q's dtype.
     """
-    T, H, Dk = q.shape
+    T, H, _ = q.shape
     Hkv = k_cache.shape[1]
     if H % Hkv:
         raise ValueError(f"{H} query heads do not group over {Hkv} KV heads")
-    G, head_split = H // Hkv, 1
-    v_is_k = v_cache is None
-    if v_is_k:
-        if v_dim is None:
-            raise ValueError("without v_cache the values are the keys' first v_dim channels")
-        d_main, d_tail, dv = v_dim, Dk - v_dim, v_dim
-        if rope_dim not in (0, d_tail):
-            raise ValueError(f"rope_dim {rope_dim} != key channels past the values {d_tail}")
-        v_cache = k_cache
-    else:
-        d_main, d_tail, dv = Dk, 0, v_cache.shape[2]
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    # float32 models: IEEE float32 products (no TF32). The interpreter's bfloat16 dot reads the
-    # raw bits as numbers (checked: 1e10 errors on a 16 x 16 product), so there bfloat16 runs
-    # through float32 products too; on CUDA bfloat16 and float16 use the tensor cores.
-    f32_dot = q.dtype == torch.float32 or (_INTERPRETED and q.dtype == torch.bfloat16)
+    d_main, d_tail, dv = _channels(k_cache, v_cache, v_dim, rope_dim)
+    G, head_split, block_m, block_n = _tiles(H // Hkv, d_main, max_q)
+    B = page_table.shape[0]
+    num_splits, split_len = _splits(q.device, max_q, num_splits, B * Hkv, max_ctx, block_n)
+    out, part, lse = _outputs(q, dv, num_splits)
+    blocks = num_splits if num_splits > 1 else triton.cdiv(max_q, block_m // G)
+    grid = (B, blocks, Hkv * head_split)
+    v = k_cache if v_cache is None else v_cache
+    _paged_attn_kernel[grid](
+        q, k_cache, v, part, page_table, cu_q, starts, lse,
+        scale, k_scale, v_scale, window or 0, split_len,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v.stride(0), v.stride(1),
+        part.stride(0) if num_splits > 1 else 0, part.stride(-3), part.stride(-2),
+        page_table.stride(0), lse.stride(0), lse.stride(1),
+        G=G, HEAD_SPLIT=head_split, PAGE_SIZE=page_size, SPLIT=num_splits > 1,
+        D_MAIN=d_main, D_TAIL=d_tail, DV=dv,
+        BLOCK_DM=_pow2(d_main), BLOCK_DT=_pow2(d_tail) if d_tail else 16, BLOCK_DV=_pow2(dv),
+        BLOCK_M=block_m, BLOCK_N=block_n, TOKENS=block_m // G, V_IS_K=v_cache is None,
+        FP8=k_cache.dtype == torch.float8_e4m3fn, F32_DOT=_f32_dot(q.dtype), num_warps=NUM_WARPS,
+    )  # fmt: skip
+    if num_splits > 1:
+        _combine(part, lse, out)
+    return out
+
+
+def _outputs(q: torch.Tensor, dv: int, num_splits: int):
+    """-> (out [T, H, Dv] in q's dtype, what the kernel writes: out itself, or float32 partial
+    outputs [S, T, H, Dv] and their log-sum-exps [S, T, H] for S key splits)."""
+    T, H, _ = q.shape
+    out = q.new_empty(T, H, dv)
+    if num_splits <= 1:
+        return out, out, out  # no log-sum-exp written
+    part = torch.empty(num_splits, T, H, dv, dtype=torch.float32, device=q.device)
+    return out, part, torch.empty(num_splits, T, H, dtype=torch.float32, device=q.device)
+
+
+def _combine(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+    """part [S, T, H, Dv] float32, lse [S, T, H] -> out [T, H, Dv]."""
+    S, T, H, dv = part.shape
+    _combine_splits_kernel[(T, H)](
+        part, lse, out, S,
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        DV=dv, BLOCK_S=triton.next_power_of_2(S), BLOCK_DV=_pow2(dv),
+    )  # fmt: skip
+
+
+def _splits(device, max_q, num_splits, programs, max_ctx, block_n) -> tuple[int, int]:
+    """-> (key splits, keys per split): decode only; whole key blocks per split, and no split
+    left empty for the longest context."""
+    if max_q != 1:
+        return 1, 0
+    if num_splits is None:
+        num_splits = _auto_splits(device, programs, max_ctx)
+    if num_splits <= 1:
+        return 1, 0
+    split_len = triton.cdiv(triton.cdiv(max_ctx, num_splits), block_n) * block_n
+    return triton.cdiv(max_ctx, split_len), split_len
+
+
+def _channels(k_cache, v_cache, v_dim, rope_dim) -> tuple[int, int, int]:
+    """-> (key channels in the main part, in the tail, value channels)."""
+    Dk = k_cache.shape[2]
+    if v_cache is not None:
+        return Dk, 0, v_cache.shape[2]
+    if v_dim is None:
+        raise ValueError("without v_cache the values are the keys' first v_dim channels")
+    if rope_dim not in (0, Dk - v_dim):
+        raise ValueError(f"rope_dim {rope_dim} != key channels past the values {Dk - v_dim}")
+    return v_dim, Dk - v_dim, v_dim
+
+
+def _tiles(G: int, d_main: int, max_q: int) -> tuple[int, int, int, int]:
+    """-> (query heads per program, programs per KV head, BLOCK_M, BLOCK_N)."""
     big = _pow2(d_main) > 128  # MLA's 512-channel latent: smaller tiles
-    block_n = 32 if big else 64
+    head_split = 1
     while G > (16 if big else 64) and G % 2 == 0:  # MLA's 16-128 heads: over programs
         G, head_split = G // 2, head_split * 2
     if max_q == 1:  # decode: one query token per sequence, its G heads as the rows
         block_m = _pow2(G)
     else:
         block_m = max(16 if big else 64, _pow2(G))
-    B = page_table.shape[0]
-    if max_q != 1:
-        num_splits = 1
-    elif num_splits is None:
-        num_splits = _auto_splits(q.device, B * Hkv, max_ctx)
-    split_len = 0
-    if num_splits > 1:  # round the split to whole key blocks; drop splits that would be empty
-        split_len = triton.cdiv(triton.cdiv(max_ctx, num_splits), block_n) * block_n
-        num_splits = triton.cdiv(max_ctx, split_len)
-    out = q.new_empty(T, H, dv)
-    if num_splits > 1:
-        part = torch.empty(num_splits, T, H, dv, dtype=torch.float32, device=q.device)
-        lse = torch.empty(num_splits, T, H, dtype=torch.float32, device=q.device)
-        grid = (B, num_splits, Hkv * head_split)
-    else:
-        part, lse = out, out  # lse unused
-        grid = (B, triton.cdiv(max_q, block_m // G), Hkv * head_split)
-    _paged_attn_kernel[grid](
-        q, k_cache, v_cache, part, page_table, cu_q, starts, lse,
-        scale, k_scale, v_scale, window or 0, split_len,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1),
-        part.stride(0) if num_splits > 1 else 0, part.stride(-3), part.stride(-2),
-        page_table.stride(0), lse.stride(0), lse.stride(1),
-        G=G, HEAD_SPLIT=head_split, PAGE_SIZE=page_size, SPLIT=num_splits > 1,
-        D_MAIN=d_main, D_TAIL=d_tail, DV=dv,
-        BLOCK_DM=_pow2(d_main), BLOCK_DT=_pow2(d_tail) if d_tail else 16, BLOCK_DV=_pow2(dv),
-        BLOCK_M=block_m, BLOCK_N=block_n, TOKENS=block_m // G,
-        V_IS_K=v_is_k, FP8=fp8, F32_DOT=f32_dot, num_warps=NUM_WARPS,
-    )  # fmt: skip
-    if num_splits > 1:
-        _combine_splits_kernel[(T, H)](
-            part, lse, out, num_splits,
-            part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1),
-            DV=dv, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_DV=_pow2(dv),
-        )  # fmt: skip
-    return out
+    return G, head_split, block_m, 32 if big else 64
+
+
+def _f32_dot(dtype: torch.dtype) -> bool:
+    """float32 models: IEEE float32 products (no TF32). The interpreter's bfloat16 dot reads the
+    raw bits as numbers (checked: 1e10 errors on a 16 x 16 product), so there bfloat16 runs
+    through float32 products too; on CUDA bfloat16 and float16 use the tensor cores."""
+    return dtype == torch.float32 or (_INTERPRETED and dtype == torch.bfloat16)
 
 
 SPLIT_MIN_KEYS = 256  # a decode split reads at least this many keys
