@@ -27,7 +27,14 @@ def hf_half(path: str, dtype: str = "float16"):
 
 
 def test_float16_is_a_model_dtype():
+    from backends.stages.params import StageParams
+    from kvtransfer.layout import DTYPE_SIZES
+
     assert "float16" in MODEL_DTYPES and model_dtype("float16") == torch.float16
+    assert StageParams(dtype="float16").dtype == "float16"  # the stage parameter takes it
+    assert DTYPE_SIZES["float16"] == 2  # and the KV layouts / handshake know its size
+    with pytest.raises(ValueError, match="float16"):
+        StageParams(dtype="float64")  # the message names the choices
 
 
 @pytest.mark.parametrize("kind", KINDS)
