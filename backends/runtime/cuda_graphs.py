@@ -55,7 +55,9 @@ def cuda_graph_factory(device: torch.device) -> Callable[[Callable[[], torch.Ten
                 fn()
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=mempool):
+        # thread_local: CUDA calls of other threads (a KV transfer's copies) during the capture
+        # neither fail nor join it
+        with torch.cuda.graph(graph, pool=mempool, capture_error_mode="thread_local"):
             out = fn()
         return graph.replay, out
 
