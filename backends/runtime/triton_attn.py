@@ -39,6 +39,7 @@ CPU tensors; ``tests/unit/test_triton_attn.py`` checks them so against a float64
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -327,12 +328,17 @@ def _f32_dot(dtype: torch.dtype) -> bool:
 SPLIT_MIN_KEYS = 256  # a decode split reads at least this many keys
 
 
+@functools.cache
+def _sm_count(index: int) -> int:  # asked once per GPU, not per layer
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _auto_splits(device: torch.device, programs: int, max_ctx: int | None) -> int:
     """Key splits for a decode launch of ``programs`` (sequence, KV head) programs: enough to give
     every SM about two programs, none shorter than ``SPLIT_MIN_KEYS`` keys (flash-decoding)."""
     if max_ctx is None or device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= sms:
         return 1
     return max(1, min(triton.cdiv(max_ctx, SPLIT_MIN_KEYS), triton.cdiv(2 * sms, programs), 64))
