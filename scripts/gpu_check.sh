@@ -4,7 +4,11 @@
 #
 #   scripts/gpu_check.sh [--quick] [--out DIR]
 #
-# 1. the runtime oracle tests on CUDA (greedy == transformers, grouped prefill, batching, spec);
+# 1. the runtime oracle tests on CUDA (greedy == transformers, grouped prefill, batching, spec),
+#    with the Triton attention kernel (the CUDA default) and again with gather + SDPA;
+#    the Triton kernel against a float64 reference on the GPU (GQA, window, MLA, fp8 KV, splits);
+#    float16 models (tiny + SmolLM2) and SmolLM2 bfloat16 greedy == transformers in that dtype;
+#    decode from CUDA graphs (opt-in PD_RUNTIME_CUDA_GRAPHS=1) == eager == transformers;
 # 2. byte-exact grouped KV transfers between OS processes from CUDA pools (GQA and MLA);
 # 3. end to end through tritonserver with prefill and decode placed on GPUs (two GPUs when there
 #    are two: --prefill-gpus 0 --decode-gpus 1; else both on GPU 0), greedy == transformers;
@@ -43,9 +47,15 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, remember pass/fail, go on
 
 step "GPUs: $NGPU ($(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs))"
 step "1/4 runtime oracle tests on CUDA"
-run oracle "$VPY" -m pytest -q -p no:cacheprovider tests/unit/test_runtime_smollm2.py \
-  tests/unit/test_runtime_models.py tests/unit/test_runtime_batching.py \
-  tests/unit/test_runtime_prefill.py tests/unit/test_spec_greedy.py tests/unit/test_spec_prefilled.py
+ORACLE=(tests/unit/test_runtime_smollm2.py tests/unit/test_runtime_models.py
+  tests/unit/test_runtime_batching.py tests/unit/test_runtime_prefill.py
+  tests/unit/test_spec_greedy.py tests/unit/test_spec_prefilled.py)
+run oracle "$VPY" -m pytest -q -p no:cacheprovider "${ORACLE[@]}"
+run oracle_sdpa env PD_RUNTIME_ATTENTION=sdpa "$VPY" -m pytest -q -p no:cacheprovider "${ORACLE[@]}"
+run kernels "$VPY" -m pytest -q -p no:cacheprovider tests/unit/test_triton_attn_cuda.py \
+  tests/unit/test_triton_attn_compile.py
+run half "$VPY" -m pytest -q -p no:cacheprovider tests/unit/test_runtime_float16.py
+run graphs "$VPY" -m pytest -q -p no:cacheprovider tests/unit/test_cuda_graphs.py
 step "2/4 byte-exact grouped transfers from CUDA pools (GQA, MLA, MLA + GQA draft)"
 run transfers "$VPY" -m pytest -q -p no:cacheprovider tests/integration/test_transfer_bytes.py \
   tests/integration/test_transfer_overlap.py
@@ -56,6 +66,12 @@ REQ=5; [ "$QUICK" = 1 ] && REQ=2
 run bench_transfer "$VPY" scripts/bench/bench_transfer.py --device cuda --requests "$REQ" --json
 run bench_ttft "$VPY" scripts/bench/bench_ttft.py --quick --device cuda --out "$OUT/ttft" --json
 run bench_runtime "$VPY" scripts/bench/bench_runtime.py --device cuda --runs 3 --json
+run bench_runtime_sdpa env PD_RUNTIME_ATTENTION=sdpa "$VPY" scripts/bench/bench_runtime.py \
+  --device cuda --runs 3 --json
+run bench_runtime_fp16 "$VPY" scripts/bench/bench_runtime.py --device cuda --runs 3 \
+  --dtype float16 --json
+run bench_runtime_graphs env PD_RUNTIME_CUDA_GRAPHS=1 "$VPY" scripts/bench/bench_runtime.py \
+  --device cuda --runs 3 --json
 
 step "summary"
 printf '%s\n' "${STATUS[@]}"
@@ -80,9 +96,12 @@ if s:
     keys = [k for k in ("exposed_fraction_pipelined", "groups", "first_token_over_colocated",
                         "short_prompt_pipelined_over_serial") if k in s]
     print("TTFT:", ", ".join(f"{k} {s[k]}" for k in keys), "| ttft_ms", s.get("ttft_ms"))
-r = last_json("bench_runtime")
-if r:
-    for impl, res in r["results"].items():
-        print(f"runtime {impl}: " + ", ".join(f"{k} {v:.1f}" for k, v in res.items()))
+for log, what in (("bench_runtime", "triton attention"), ("bench_runtime_sdpa", "gather + SDPA"),
+                  ("bench_runtime_fp16", "float16, triton attention"),
+                  ("bench_runtime_graphs", "CUDA graphs on")):
+    r = last_json(log)
+    if r:
+        for impl, res in r["results"].items():
+            print(f"runtime {impl} ({what}): " + ", ".join(f"{k} {v:.1f}" for k, v in res.items()))
 EOF
 for s in "${STATUS[@]}"; do case "$s" in *FAILED*) exit 1 ;; esac; done

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from . import cuda_attn
 from .config import ModelConfig
 from .decode_attn import cpu_decode_attention, decode_attention
 from .kernels import KernelSettings, Linear, fused_ops
@@ -28,8 +29,13 @@ def _linear(w: WeightReader, name: str, kernels: KernelSettings) -> Linear:
 
 def attend(q, k_new, k_cache, meta, scale, kernels, v_new=None, v_cache=None, v_dim=None):
     """Paged attention (see :func:`~backends.runtime.paged.paged_attention` for the shapes),
-    through the runtime's kernels where one is chosen and available: the in-place decode
-    kernel, the C++ prefill kernel (``auto`` on CPU)."""
+    through the runtime's kernels where one is chosen and available: on CUDA (``auto``) the
+    Triton paged kernel for every kind; on CPU the in-place decode kernel and the C++ prefill
+    kernel (``auto``)."""
+    if q.device.type in cuda_attn.DEVICE_TYPES and kernels.attention == "auto":
+        out = cuda_attn.cuda_attention(q, k_cache, v_cache, v_dim, meta, scale)
+        if out is not None:
+            return out
     if meta.kind == "prefill" and kernels.attention == "auto":
         out = cpu_prefill_attention(q, k_new, v_new, v_dim, meta, scale)
         if out is not None:

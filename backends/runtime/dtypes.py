@@ -1,6 +1,6 @@
 """The one dtype table of the runtime, built on kvtransfer's (name -> bytes per element).
 
-Names are what configs, stage parameters and KV layouts say (``"float32"``, ``"bfloat16"``).
+Names are what configs, stage parameters and KV layouts say (``"float32"``, ``"float16"``, ...).
 ``MODEL_DTYPES`` are the ones a model runs in; a KV pool may hold any ``TORCH_DTYPES`` name.
 """
 
@@ -11,7 +11,7 @@ import torch
 from kvtransfer.layout import DTYPE_SIZES
 
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_SIZES}
-MODEL_DTYPES = ("float32", "bfloat16")
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def model_dtype(name: str) -> torch.dtype:

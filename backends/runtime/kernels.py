@@ -2,10 +2,10 @@
 
 Three settings, read from the environment when a model loads (``KernelSettings.from_env``):
 
-* ``PD_RUNTIME_LINEAR`` = ``auto`` (default) | ``torch``. ``auto``: on a float32 or bfloat16
-  CPU model, up to ``SMALL_ROWS`` rows (decode) run the runtime's C++ small-row kernel
+* ``PD_RUNTIME_LINEAR`` = ``auto`` (default) | ``torch``. ``auto``: on a float32, bfloat16 or
+  float16 CPU model, up to ``SMALL_ROWS`` rows (decode) run the runtime's C++ small-row kernel
   (``linear_small`` in :mod:`backends.runtime.cpu_kernels`: each weight row streamed from memory
-  once for all the rows, with prefetch; bfloat16 weights widened as they are loaded); more rows
+  once for all the rows, with prefetch; half weights widened as they are loaded); more rows
   (prefill) run torch's ``F.linear`` (MKL's sgemm), in bfloat16 on a CPU without bf16 GEMM
   instructions on the operands widened to float32 (``slow_bf16_gemm``). Elsewhere ``F.linear``.
   Measured on the 2-core AVX2 CI machine (``scripts/bench/bench_linear.py``: SmolLM2's 30
@@ -23,6 +23,8 @@ Three settings, read from the environment when a model loads (``KernelSettings.f
   shapes: 0.52 / 1.23 / 0.06 ms a layer against 1.08 / 2.78 / 0.17 for gather + SDPA), float32
   prefill runs causal blocks on sgemm (:mod:`backends.runtime.prefill_attn`; 3.3-3.7 ms a layer
   at 1 x 512 against 5.3-6.6 for SDPA); SDPA elsewhere or where the kernels cannot be built;
+  On CUDA, ``auto`` runs the Triton paged-attention kernel for every kind of forward
+  (:mod:`backends.runtime.cuda_attn`, :mod:`backends.runtime.triton_attn`).
   ``sdpa``: always SDPA (decode: gather + SDPA); ``compiled``: the ``torch.compile``'d decode
   kernel (:mod:`backends.runtime.decode_attn`).
 * ``PD_RUNTIME_FUSED`` = ``auto`` (default) | ``torch``: the elementwise work of a layer.
@@ -88,18 +90,28 @@ def fused_ops(like: torch.Tensor, settings: KernelSettings | None):
 
 
 SMALL_ROWS = 64  # up to this many rows the C++ small-row kernel; above, F.linear
-SMALL_DTYPES = (torch.float32, torch.bfloat16)
+SMALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def small_linear_op(weight: torch.Tensor, settings: KernelSettings):
     """``torch.ops.pd_runtime.linear_small`` for ``weight``, or None where F.linear runs: off
-    CPU, not float32 / bfloat16, ``PD_RUNTIME_LINEAR=torch``, no compiler."""
+    CPU, not float32 / bfloat16 / float16, ``PD_RUNTIME_LINEAR=torch``, no compiler."""
     if settings.linear != "auto" or weight.device.type != "cpu":
         return None
     if weight.dtype not in SMALL_DTYPES:
         return None
     ops = cpu_ops()
     return None if ops is None else ops.linear_small
+
+
+def slow_half_gemm(dtype: torch.dtype) -> bool:
+    """Whether torch's CPU GEMM in ``dtype`` (bfloat16 / float16) runs emulated here."""
+    if dtype == torch.bfloat16:
+        return slow_bf16_gemm()
+    try:
+        return not torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    except (AttributeError, RuntimeError):
+        return True
 
 
 def slow_bf16_gemm() -> bool:
@@ -119,9 +131,14 @@ class Linear:
         self.small = small_linear_op(weight, settings)
         self.weight = weight.contiguous() if self.small is not None else weight
         self.bias = bias.contiguous() if bias is not None and self.small is not None else bias
-        # bfloat16 on a CPU without bf16 GEMM: the many-row case widens to float32 (exact for
-        # bf16 inputs; float32 sums as torch's bf16 kernels keep them; one rounding of y)
-        self.widen = self.small is not None and weight.dtype == torch.bfloat16 and slow_bf16_gemm()
+        # bfloat16 / float16 on a CPU without such GEMM instructions: the many-row case widens
+        # to float32 (exact for half inputs; float32 sums as torch's half kernels keep them; one
+        # rounding of y)
+        self.widen = (
+            self.small is not None
+            and weight.dtype in (torch.bfloat16, torch.float16)
+            and slow_half_gemm(weight.dtype)
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.small is not None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS:

@@ -6,6 +6,7 @@ pages) into logits and KV writes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -14,11 +15,14 @@ import torch
 from kvtransfer.layout import EntryLayout
 
 from .config import ModelConfig
+from .cuda_graphs import DecodeGraphs, graphs_requested
 from .dtypes import model_dtype
-from .kv_pool import KVPool
+from .kv_pool import KVPool, OutOfPagesError
 from .model import CausalLM
 from .paged import BatchMeta
 from .weights import WeightReader, load_weights
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,6 +40,16 @@ class ModelRunner:
         self.model = model
         self.dtype = dtype
         self.device = torch.device(device)
+        # decode steps from CUDA graphs (PD_RUNTIME_CUDA_GRAPHS=1; GQA models on CUDA with the
+        # Triton attention); tests may set use_graphs / graph_factory to run them on CPU
+        self.use_graphs = (
+            graphs_requested()
+            and self.device.type == "cuda"
+            and config.attn == "gqa"
+            and type(self) is ModelRunner  # not a tensor-parallel rank
+        )
+        self.graph_factory = None
+        self._graphs: dict[int, DecodeGraphs | None] = {}
 
     @classmethod
     def load(
@@ -171,6 +185,7 @@ class ModelRunner:
         logits = self.model.logits(h)  # [T, vocab]
         return list(logits.split(meta.lengths))
 
+    @torch.inference_mode()
     def decode(
         self,
         pool: KVPool,
@@ -181,7 +196,26 @@ class ModelRunner:
         """One new token per sequence -> logits [B, vocab] float32."""
         if not len(tokens) == len(positions) == len(page_tables):
             raise ValueError("tokens, positions and page_tables must have the same length")
+        graphs = self._decode_graphs(pool) if self.use_graphs else None
+        if graphs is not None:
+            out = graphs.run(tokens, positions, page_tables)
+            if out is not None:
+                return out
         seqs = [
             SeqInput([t], p, pt) for t, p, pt in zip(tokens, positions, page_tables, strict=True)
         ]
         return torch.cat(self.forward(pool, seqs))
+
+    @torch.inference_mode()
+    def _decode_graphs(self, pool: KVPool) -> DecodeGraphs | None:
+        """This pool's graphs; None (decode eagerly) where no page is free for their scratch."""
+        if id(pool) not in self._graphs:
+            self._check_pool(pool)
+            pages = -(-self.config.max_position_embeddings // pool.page_size)
+            max_pages = min(pool.num_pages, pages)
+            try:
+                self._graphs[id(pool)] = DecodeGraphs(self, pool, max_pages, self.graph_factory)
+            except OutOfPagesError:
+                log.warning("CUDA graphs need one free page of the pool; decoding eagerly")
+                self._graphs[id(pool)] = None
+        return self._graphs[id(pool)]

@@ -54,7 +54,7 @@ def paths(dtype: torch.dtype, rows: int) -> dict:
             x, p, None, "none", [], ""
         )
     out["F.linear"] = lambda x, w, p: F.linear(x, w)
-    if dtype == torch.bfloat16:
+    if dtype in (torch.bfloat16, torch.float16):
         out["F.linear widened"] = lambda x, w, p: F.linear(x.float(), w.float()).to(dtype)
     return out
 
@@ -82,7 +82,7 @@ def measure(rows: int, dtype: torch.dtype, layers: int, reps: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 8, 32, 64, 512])
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--layers", type=int, default=30, help="distinct weights per projection")
     ap.add_argument("--big-layers", type=int, default=30, help="layers above SMALL_ROWS rows")
     ap.add_argument("--reps", type=int, default=5, help="(3 above SMALL_ROWS rows)")

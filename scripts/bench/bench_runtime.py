@@ -57,7 +57,7 @@ class Ours:
     def decode(self, prompts: list[list[int]], steps: int):
         n = max(len(p) for p in prompts) + steps
         per_seq = -(-n // self.ps)
-        pool = self.runner.make_pool(per_seq * len(prompts), self.ps)
+        pool = self.runner.make_pool(per_seq * len(prompts) + 1, self.ps)  # + CUDA graphs' scratch
         tables = [pool.alloc(per_seq) for _ in prompts]
         for p, t in zip(prompts, tables, strict=True):
             self.runner.prefill(pool, p, t)

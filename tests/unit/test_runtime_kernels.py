@@ -17,18 +17,22 @@ from backends.runtime.sampler import SamplingParams
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 33, SMALL_ROWS, SMALL_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_linear_matches_f_linear(rows, bias, dtype):
     """Row counts that hit every tile shape and remainder of the small-row kernel (and the
     F.linear side of SMALL_ROWS); 50 outputs and 43 inputs leave tails in both dimensions.
-    bfloat16: within one rounding of the exact result (float32 sums, y rounded once)."""
+    bfloat16 / float16: within one rounding of the exact result (float32 sums, y rounded once)."""
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(50, 43, generator=g).to(dtype)
     b = torch.randn(50, generator=g).to(dtype) if bias else None
     x = torch.randn(rows, 43, generator=g).to(dtype)
     lin = Linear(w, b, KernelSettings())
     exact = F.linear(x.double(), w.double(), None if b is None else b.double())
-    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=2**-7)
+    tol = {
+        torch.float32: dict(atol=1e-4, rtol=1e-5),
+        torch.bfloat16: dict(atol=1e-2, rtol=2**-7),
+        torch.float16: dict(atol=2e-3, rtol=2**-10),
+    }[dtype]
     got = lin(x)
     assert got.dtype == dtype
     torch.testing.assert_close(got.double(), exact, **tol)
@@ -41,8 +45,9 @@ def test_linear_matches_f_linear(rows, bias, dtype):
 def test_linear_setting_and_fallbacks():
     w = torch.randn(16, 8)
     assert Linear(w, None, KernelSettings(linear="torch")).small is None
-    half = Linear(w.half(), None, KernelSettings())  # the C++ kernel: float32 and bfloat16
-    assert half.small is None and half(torch.ones(2, 8, dtype=torch.half)).shape == (2, 16)
+    double = Linear(w.double(), None, KernelSettings())  # the C++ kernel: float32, bf16, fp16
+    assert double.small is None and double(torch.ones(2, 8).double()).shape == (2, 16)
+    assert Linear(w.half(), None, KernelSettings()).small is not None
     assert Linear(w, None, KernelSettings()).small is not None
     assert Linear(w.bfloat16(), None, KernelSettings()).small is not None
     with pytest.raises(ValueError, match="PD_RUNTIME_LINEAR"):
@@ -52,9 +57,9 @@ def test_linear_setting_and_fallbacks():
 def test_linear_small_rejects_what_it_cannot_compute():
     op = cpu_ops().linear_small
     w = torch.randn(16, 8)
-    with pytest.raises(RuntimeError, match="float32 or bfloat16 x and w of one dtype"):
+    with pytest.raises(RuntimeError, match="bfloat16 or float16 x and w of one dtype"):
         op(torch.ones(2, 8, dtype=torch.float64), w.double(), None)
-    with pytest.raises(RuntimeError, match="float32 or bfloat16 x and w of one dtype"):
+    with pytest.raises(RuntimeError, match="bfloat16 or float16 x and w of one dtype"):
         op(torch.ones(2, 8), w.bfloat16(), None)
     with pytest.raises(RuntimeError, match="x has 9 features, w 8"):
         op(torch.ones(2, 9), w, None)
@@ -132,3 +137,17 @@ def test_prefill_chunks_follow_the_token_budget(llama):
 def test_prefill_tokens_must_be_positive(llama):
     with pytest.raises(ValueError, match="prefill_tokens"):
         LLMEngine(llama, llama.make_pool(4, 4), prefill_tokens=0)
+
+
+def test_linear_small_widens_every_float16_value_exactly():
+    """The kernel's own half -> float conversion (no F16C): subnormals, zeros of both signs, the
+    largest half, infinities and NaN, in the vector body (16 inputs) and the scalar tail (3)."""
+    op = cpu_ops().linear_small
+    vals = torch.tensor(
+        [2**-24, 3 * 2**-24, 1023 * 2**-24, 2**-14, -0.0, 0.0, 65504.0, -65504.0, 1.5, -2.75,
+         float("inf"), float("-inf"), float("nan"), 1e-3, 333.25, -7e-6, 0.1, -0.5, 42.0],
+        dtype=torch.float16,
+    )  # fmt: skip
+    w = torch.diag(vals)  # [19, 19]: row r holds vals[r] at column r
+    y = op(torch.ones(1, 19, dtype=torch.float16), w, None)
+    torch.testing.assert_close(y[0], vals, equal_nan=True, atol=0, rtol=0)

@@ -1,5 +1,6 @@
 // Linear layers for a few rows (decode): y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), with w in
-// float32 or bfloat16 (widened to float32 as it is loaded; float32 sums, one rounding of y).
+// float32, bfloat16 or float16 (widened to float32 as it is loaded; float32 sums, one rounding
+// of y).
 //
 // At decode a linear layer reads its whole weight to multiply it with a handful of rows, so
 // the weight's trip from memory is the cost. Each task here streams a slice of w's rows from
@@ -39,6 +40,33 @@ PD_INLINE v8 load8(const c10::BFloat16* p) {  // bfloat16 is float32's upper hal
   u16x8 h;
   __builtin_memcpy(&h, p, sizeof h);
   const i8 bits = __builtin_convertvector(h, i8) << 16;
+  v8 r;
+  __builtin_memcpy(&r, &bits, sizeof r);
+  return r;
+}
+
+// IEEE half -> float with integer vector ops (no F16C needed, so both clones build): normal
+// numbers re-bias the exponent, inf/NaN keep an all-ones exponent, subnormals are formed as
+// 2^-14 * (1 + m / 1024) and then 2^-14 subtracted (exact).
+PD_INLINE v8 load8(const c10::Half* p) {
+  typedef uint16_t u16x8 __attribute__((vector_size(16)));
+  u16x8 h;
+  __builtin_memcpy(&h, p, sizeof h);
+  const i8 x = __builtin_convertvector(h, i8);
+  const i8 sign = (x & 0x8000) << 16;
+  i8 o = (x & 0x7fff) << 13;
+  const i8 e = o & (0x7c00 << 13);
+  o += (127 - 15) << 23;
+  o = e == (0x7c00 << 13) ? o + ((128 - 16) << 23) : o;
+  const i8 sub_bits = o + (1 << 23);
+  v8 sub, norm;
+  __builtin_memcpy(&sub, &sub_bits, sizeof sub);
+  __builtin_memcpy(&norm, &o, sizeof norm);
+  sub = sub - 6.103515625e-05f;  // 2^-14
+  const v8 mag = e == 0 ? sub : norm;
+  i8 bits;
+  __builtin_memcpy(&bits, &mag, sizeof bits);
+  bits |= sign;
   v8 r;
   __builtin_memcpy(&r, &bits, sizeof r);
   return r;
@@ -142,15 +170,16 @@ void run(const Problem<W>& p) {
   });
 }
 
-// x, bias and y in w's dtype (float32 or bfloat16); x and bias are widened to float32 up front
+// x, bias and y in w's dtype (float32, bfloat16 or float16); x and bias are widened to float32 up front
 // (a few rows), y rounded once at the end.
 at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "linear_small: x [M, K] and w [N, K] expected");
   const auto dtype = w.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype,
-              "linear_small: float32 or bfloat16 x and w of one dtype, got ", x.scalar_type(),
-              " and ", dtype);
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
+                  x.scalar_type() == dtype,
+              "linear_small: float32, bfloat16 or float16 x and w of one dtype, got ",
+              x.scalar_type(), " and ", dtype);
   TORCH_CHECK(x.size(1) == w.size(1), "linear_small: x has ", x.size(1), " features, w ",
               w.size(1));
   TORCH_CHECK(w.is_contiguous(), "linear_small: w must be contiguous");
@@ -169,9 +198,12 @@ at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w,
     if (dtype == at::kFloat) {
       run(Problem<float>{xf.data_ptr<float>(), w.data_ptr<float>(), b, y.data_ptr<float>(), M,
                          N, K, ldx});
-    } else {
+    } else if (dtype == at::kBFloat16) {
       run(Problem<c10::BFloat16>{xf.data_ptr<float>(), w.data_ptr<c10::BFloat16>(), b,
                                  y.data_ptr<float>(), M, N, K, ldx});
+    } else {
+      run(Problem<c10::Half>{xf.data_ptr<float>(), w.data_ptr<c10::Half>(), b,
+                             y.data_ptr<float>(), M, N, K, ldx});
     }
   }
   return dtype == at::kFloat ? y : y.to(dtype);

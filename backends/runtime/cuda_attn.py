@@ -1,0 +1,71 @@
+"""The CUDA attention path: the Triton paged-attention kernel (:mod:`.triton_attn`) for every
+kind of forward, reading K/V in place from the pool through the batch's page table.
+
+``triton`` is imported on the first CUDA forward only, so CPU hosts and the CPU tests never
+import it. If the import or a kernel's compilation fails, the runtime logs one warning and runs
+gather + SDPA (:func:`~backends.runtime.paged.paged_attention`) from then on; so does
+``PD_RUNTIME_ATTENTION=sdpa`` (see :mod:`.kernels`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .paged import BatchMeta
+
+log = logging.getLogger(__name__)
+
+# devices whose forwards take this path; the interpreter tests add "cpu" in a process of their
+# own (tests/helpers/triton_attn_cases.py), where the kernels run under TRITON_INTERPRET=1
+DEVICE_TYPES = ("cuda",)
+
+_lock = threading.Lock()
+_module = None  # backends.runtime.triton_attn once imported; False once it failed
+
+
+def _kernels():
+    global _module
+    with _lock:
+        if _module is None:
+            try:
+                from . import triton_attn
+
+                _module = triton_attn
+            except ImportError as e:
+                log.warning("Triton attention unavailable (pip install triton), using SDPA: %s", e)
+                _module = False
+        return _module
+
+
+def cuda_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    v_dim: int | None,
+    meta: BatchMeta,
+    scale: float,
+) -> torch.Tensor | None:
+    """q: [T, H, Dk]; k_cache: [S, Hkv, Dk]; v_cache: [S, Hkv, Dv] or None with ``v_dim`` (MLA:
+    the latent's first channels) -> [T, H, Dv], or None off CUDA or where the kernel cannot run
+    (the caller goes eager)."""
+    global _module
+    if q.device.type not in DEVICE_TYPES or meta.page_table is None:
+        return None
+    kernels = _kernels()
+    if kernels is False:
+        return None
+    try:
+        return kernels.paged_attention(
+            q, k_cache, v_cache, meta.page_table, meta.cu_q, meta.starts, meta.max_q,
+            meta.page_size, scale, v_dim=v_dim, window=meta.window,
+            max_ctx=meta.read_slots.shape[1],
+        )  # fmt: skip
+    except Exception as e:  # a Triton compile error, an unsupported GPU, ...
+        log.warning("Triton attention failed, using SDPA from now on: %s", e)
+        _module = False
+        return None

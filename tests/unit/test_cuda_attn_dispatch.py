@@ -1,0 +1,74 @@
+"""The CUDA attention dispatch (``backends/runtime/cuda_attn.py``) without a GPU: CPU forwards
+never import triton, a kernel that fails falls back to SDPA once and for all with one warning,
+and ``PD_RUNTIME_ATTENTION=sdpa`` never calls the kernel."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import types
+
+import runtime_models as rm
+import torch
+
+from backends.runtime import cuda_attn
+from backends.runtime.runner import ModelRunner, SeqInput
+
+
+def forward(runner, prompt):
+    pool = runner.make_pool(8, 4)
+    return runner.forward(pool, [SeqInput(prompt, 0, pool.alloc(6))])[0]
+
+
+def test_cpu_forward_does_not_import_triton():
+    code = (
+        "import sys\n"
+        "from backends.runtime.runner import ModelRunner, SeqInput\n"
+        f"r = ModelRunner.load({rm.checkpoint('llama')!r})\n"
+        "p = r.make_pool(4, 4)\n"
+        "r.forward(p, [SeqInput([5, 6, 7], 0, p.alloc(1))])\n"
+        "r.decode(p, [8], [3], [p.alloc(0) + [0]])\n"
+        "assert 'triton' not in sys.modules, 'triton imported'\n"
+    )
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    path = os.pathsep.join([root, os.path.join(root, "tests", "helpers")])
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_failing_kernel_falls_back_to_sdpa_once(monkeypatch, caplog):
+    runner = ModelRunner.load(rm.checkpoint("llama"))
+    prompt = rm.random_prompt(11, seed=3)
+    want = forward(runner, prompt)
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(cuda_attn, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(cuda_attn, "_module", types.SimpleNamespace(paged_attention=broken))
+    with caplog.at_level(logging.WARNING, logger=cuda_attn.__name__):
+        got = forward(runner, prompt)
+        again = forward(runner, prompt)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(again, want)
+    assert calls == [1] and cuda_attn._module is False  # tried once, then SDPA for good
+    assert sum("Triton attention failed" in r.message for r in caplog.records) == 1
+
+
+def test_sdpa_setting_never_calls_the_kernel(monkeypatch):
+    monkeypatch.setenv("PD_RUNTIME_ATTENTION", "sdpa")
+    runner = ModelRunner.load(rm.checkpoint("llama"))
+    calls = []
+    kernel = types.SimpleNamespace(paged_attention=lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(cuda_attn, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(cuda_attn, "_module", kernel)
+    forward(runner, rm.random_prompt(7, seed=1))
+    assert calls == []
