@@ -13,7 +13,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-import torch
+from torch import Tensor
 
 if TYPE_CHECKING:
     from .paged import BatchMeta
@@ -42,14 +42,7 @@ def _kernels():
         return _module
 
 
-def cuda_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor | None,
-    v_dim: int | None,
-    meta: BatchMeta,
-    scale: float,
-) -> torch.Tensor | None:
+def cuda_attention(q: Tensor, k_cache: Tensor, v_cache, v_dim, meta: BatchMeta, scale: float):
     """q: [T, H, Dk]; k_cache: [S, Hkv, Dk]; v_cache: [S, Hkv, Dv] or None with ``v_dim`` (MLA:
     the latent's first channels) -> [T, H, Dv], or None off CUDA or where the kernel cannot run
     (the caller goes eager)."""

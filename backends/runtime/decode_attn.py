@@ -21,6 +21,7 @@ import threading
 from typing import TYPE_CHECKING
 
 import torch
+from torch import Tensor
 
 from .cpu_kernels import paged_decode_op
 
@@ -69,14 +70,7 @@ def _grouped(q, k_cache, v_cache, v_dim):
     return q.reshape(B, Hkv, H // Hkv, Dk), v
 
 
-def decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor | None,
-    v_dim: int | None,
-    meta: BatchMeta,
-    scale: float,
-) -> torch.Tensor | None:
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache, v_dim, meta: BatchMeta, scale: float):
     """One new token per sequence. q: [B, H, Dk]; caches as in ``paged_attention`` ->
     [B, H, Dv], or None when the compiled kernel is unavailable (the caller goes eager)."""
     global _kernel
@@ -93,14 +87,7 @@ def decode_attention(
     return out.reshape(q.shape[0], q.shape[1], -1)
 
 
-def cpu_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor | None,
-    v_dim: int | None,
-    meta: BatchMeta,
-    scale: float,
-) -> torch.Tensor | None:
+def cpu_decode_attention(q: Tensor, k_cache: Tensor, v_cache, v_dim, meta: BatchMeta, scale: float):
     """As :func:`decode_attention`, through ``torch.ops.pd_runtime.paged_decode``: each K and V
     row is read once, from its slot, for all the query heads of its KV head. -> [B, H, Dv], or
     None off CPU or where the kernel cannot be built (the caller goes eager)."""

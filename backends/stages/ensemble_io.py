@@ -18,54 +18,47 @@ class Tensor(NamedTuple):
     doc: str
 
 
-INPUTS = [
-    Tensor("text_input", "STRING", "1", "the prompt"),
-    Tensor("input_ids", "INT32", "-1", "the prompt as token ids (instead of text)"),
-    Tensor("messages", "STRING", "1",
-           'a chat as JSON `[{"role": "system"\\|"user"\\|"assistant", "content": "..."}]`,'
-           " rendered with the checkpoint's chat template (instead of text)"),
-    Tensor("apply_chat_template", "BOOL", "1", "wrap `text_input` as one user turn of the chat"),
-    Tensor("max_tokens", "INT32", "1", "tokens to generate (default: `default_max_tokens`)"),
-    Tensor("temperature", "FP32", "1", "0 = greedy (default)"),
-    Tensor("top_p", "FP32", "1", "nucleus sampling, (0, 1]"),
-    Tensor("top_k", "INT32", "1", "0 = off"),
-    Tensor("seed", "INT64", "1", "per-request RNG seed (-1 = none)"),
-    Tensor("presence_penalty", "FP32", "1",
-           "[-2, 2]: subtracted once from every token already generated"),
-    Tensor("frequency_penalty", "FP32", "1",
-           "[-2, 2]: subtracted once per time a token was generated"),
-    Tensor("repetition_penalty", "FP32", "1",
-           "> 0, 1 = off: divides positive (multiplies negative) logits of prompt and output"
-           " tokens"),
-    Tensor("stop", "STRING", "-1",
-           "stop strings: generation ends when the text contains one; it is not returned"),
-    Tensor("stop_words", "STRING", "-1", "the same as `stop` (TensorRT-LLM's name)"),
-    Tensor("stop_token_ids", "INT32", "-1", "generation ends after one of these tokens"),
-    Tensor("ignore_eos", "BOOL", "1", "generate `max_tokens` tokens whatever the model says"),
-    Tensor("top_logprobs", "INT32", "1",
-           "N >= 0: return each token's log-probability and the N most likely ones in `logprobs`"
-           " (-1 = off)"),
-    Tensor("stream", "BOOL", "1", "one response per decode step (else one at the end)"),
-    Tensor("echo", "BOOL", "1", "the first response's text starts with the prompt's"),
-    Tensor("exclude_input_in_output", "BOOL", "1", "the negation of `echo` (vLLM's name)"),
-    Tensor("sampling_parameters", "STRING", "1",
-           "the sampling fields as one JSON object (vLLM backend format), e.g."
-           ' `{"max_tokens": 8, "stop": ["\\n"]}`'),
-    Tensor("return_num_input_tokens", "BOOL", "1", "accepted; `num_input_tokens` always comes"),
-    Tensor("return_num_output_tokens", "BOOL", "1", "accepted; `num_output_tokens` always comes"),
-    Tensor("return_logprobs", "BOOL", "1", "accepted; `logprobs` comes when asked for"),
-]  # fmt: skip
+def _table(text: str) -> list[Tensor]:
+    """Rows ``name | TYPE | dims | meaning`` -> tensors."""
+    rows = [ln.split(" | ", 3) for ln in text.strip().splitlines()]
+    return [Tensor(*(c.strip() for c in row)) for row in rows]
 
-OUTPUTS = [
-    Tensor("text_output", "STRING", "1", "the text these tokens add (stop strings cut)"),
-    Tensor("output_ids", "INT32", "-1", "the tokens of this response"),
-    Tensor("finish_reason", "STRING", "1",
-           '`stop` (EOS, stop string or stop token) or `length` on the last response, else ""'),
-    Tensor("num_input_tokens", "UINT32", "1", "prompt tokens"),
-    Tensor("num_output_tokens", "UINT32", "1", "tokens in this response"),
-    Tensor("logprobs", "STRING", "1",
-           "JSON per token `{id: {logprob, rank, decoded_token}}` (chosen + top N), or `null`"),
-]  # fmt: skip
+
+INPUTS = _table(r"""
+text_input | STRING | 1 | the prompt
+input_ids | INT32 | -1 | the prompt as token ids (instead of text)
+messages | STRING | 1 | a chat as JSON `[{"role": "system"\|"user"\|"assistant", "content": "..."}]`, rendered with the checkpoint's chat template (instead of text)
+apply_chat_template | BOOL | 1 | wrap `text_input` as one user turn of the chat
+max_tokens | INT32 | 1 | tokens to generate (default: `default_max_tokens`)
+temperature | FP32 | 1 | 0 = greedy (default)
+top_p | FP32 | 1 | nucleus sampling, (0, 1]
+top_k | INT32 | 1 | 0 = off
+seed | INT64 | 1 | per-request RNG seed (-1 = none)
+presence_penalty | FP32 | 1 | [-2, 2]: subtracted once from every token already generated
+frequency_penalty | FP32 | 1 | [-2, 2]: subtracted once per time a token was generated
+repetition_penalty | FP32 | 1 | > 0, 1 = off: divides positive (multiplies negative) logits of prompt and output tokens
+stop | STRING | -1 | stop strings: generation ends when the text contains one; it is not returned
+stop_words | STRING | -1 | the same as `stop` (TensorRT-LLM's name)
+stop_token_ids | INT32 | -1 | generation ends after one of these tokens
+ignore_eos | BOOL | 1 | generate `max_tokens` tokens whatever the model says
+top_logprobs | INT32 | 1 | N >= 0: return each token's log-probability and the N most likely ones in `logprobs` (-1 = off)
+stream | BOOL | 1 | one response per decode step (else one at the end)
+echo | BOOL | 1 | the first response's text starts with the prompt's
+exclude_input_in_output | BOOL | 1 | the negation of `echo` (vLLM's name)
+sampling_parameters | STRING | 1 | the sampling fields as one JSON object (vLLM backend format), e.g. `{"max_tokens": 8, "stop": ["\n"]}`
+return_num_input_tokens | BOOL | 1 | accepted; `num_input_tokens` always comes
+return_num_output_tokens | BOOL | 1 | accepted; `num_output_tokens` always comes
+return_logprobs | BOOL | 1 | accepted; `logprobs` comes when asked for
+""")  # noqa: E501
+
+OUTPUTS = _table(r"""
+text_output | STRING | 1 | the text these tokens add (stop strings cut)
+output_ids | INT32 | -1 | the tokens of this response
+finish_reason | STRING | 1 | `stop` (EOS, stop string or stop token) or `length` on the last response, else ""
+num_input_tokens | UINT32 | 1 | prompt tokens
+num_output_tokens | UINT32 | 1 | tokens in this response
+logprobs | STRING | 1 | JSON per token `{id: {logprob, rank, decoded_token}}` (chosen + top N), or `null`
+""")  # noqa: E501
 
 
 def pbtxt(kind: str, tensors: list[Tensor], optional: bool) -> str:

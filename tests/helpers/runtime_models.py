@@ -222,3 +222,18 @@ def assert_greedy_matches_up_to_tie(
     margin = float(logits[want[i]] - logits[got[i]])
     assert 0 <= margin <= tie, f"token {i}: {got[i]} vs reference {want[i]}, margin {margin}"
     return i
+
+
+def forward_vs_transformers(kind: str, runner, n: int = 21) -> tuple[list[int], torch.Tensor]:
+    """One runtime forward over a random ``n``-token prompt, checked against transformers'
+    logits; -> (the prompt, transformers' logits [n, V])."""
+    from backends.runtime.runner import SeqInput
+
+    prompt = random_prompt(n, seed=1)
+    with torch.no_grad():
+        ref = hf_model(kind)(torch.tensor([prompt])).logits[0].float()  # [T, V]
+    pool = runner.make_pool(16, 4)
+    logits = runner.forward(pool, [SeqInput(prompt, 0, pool.alloc(pool.pages_needed(n)))])[0]
+    assert logits.shape == ref.shape  # (TP: the vocabulary shards gathered and cut to V)
+    assert_close_to_reference(logits, ref)
+    return prompt, ref

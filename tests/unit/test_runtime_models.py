@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import runtime_models as rm
-import torch
 
-from backends.runtime.runner import ModelRunner, SeqInput
+from backends.runtime.runner import ModelRunner
 
 KINDS = ["llama", "qwen2", "mistral", "deepseek_v3", "deepseek_v2"]
 
@@ -29,13 +28,7 @@ def test_config_parsed(kind, runner):
 
 
 def test_prefill_logits_match_transformers(kind, runner):
-    prompt = rm.random_prompt(21, seed=1)
-    with torch.no_grad():
-        ref = rm.hf_model(kind)(torch.tensor([prompt])).logits[0].float()  # [T, V]
-    pool = runner.make_pool(16, 4)
-    pages = pool.alloc(pool.pages_needed(len(prompt)))
-    all_logits = runner.forward(pool, [SeqInput(prompt, 0, pages)])[0]
-    rm.assert_close_to_reference(all_logits, ref)
+    prompt, ref = rm.forward_vs_transformers(kind, runner)
     pool2 = runner.make_pool(16, 4)
     last = runner.prefill(pool2, prompt, pool2.alloc(6))
     rm.assert_close_to_reference(last, ref[-1])
