@@ -15,6 +15,15 @@ import threading
 import time
 
 
+def tiny_params(model_dir: str, num_pages: int = 64, **kw) -> dict:
+    """Stage parameters of the integration tests' tiny-model stages (both sides): pages of 4
+    tokens, one layer a group, a 10 s bootstrap timeout."""
+    return dict(
+        model_dir=model_dir, page_size=4, num_pages=num_pages, max_context=256,
+        max_tokens_limit=128, lg_fixed_group_size=1, bootstrap_timeout_s=10.0, **kw,
+    )  # fmt: skip
+
+
 def _fail_writes_of(worker, role: str) -> None:
     lay = worker.sender.layouts[role]
     lo, hi = lay.base_addr, lay.base_addr + lay.nbytes

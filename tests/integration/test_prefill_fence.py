@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from runtime_models import checkpoint, hf_greedy, random_prompt
-from stagepeer import Collector, PrefillProcess
+from stagepeer import Collector, PrefillProcess, tiny_params
 
 from backends.runtime.sampler import SamplingParams
 from backends.stages.decode import DecodeWorker
@@ -18,15 +18,7 @@ FENCE_DELAY_S = 0.5
 
 
 def test_slow_fences_hold_each_groups_writes_but_never_the_compute():
-    params = dict(
-        model_dir=checkpoint("llama"),  # 4 layers: 4 groups of 1
-        page_size=4,
-        num_pages=64,
-        max_context=256,
-        max_tokens_limit=128,
-        lg_fixed_group_size=1,
-        bootstrap_timeout_s=10.0,
-    )
+    params = tiny_params(checkpoint("llama"))  # 4 layers: 4 groups of 1
     prefill = PrefillProcess(fence_delay_s=FENCE_DELAY_S, **params)
     decode = DecodeWorker(StageParams(**params))
     try:

@@ -8,7 +8,7 @@ import time
 import pytest
 import zmq
 from runtime_models import checkpoint, hf_greedy, random_prompt
-from stagepeer import Collector, PrefillProcess
+from stagepeer import Collector, PrefillProcess, tiny_params
 
 from backends.runtime.sampler import SamplingParams
 from backends.stages.decode import DecodeWorker
@@ -19,22 +19,10 @@ from kvtransfer import messages as m
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
-def _params(ckpt: str) -> dict:
-    return dict(
-        model_dir=ckpt,
-        page_size=4,
-        num_pages=64,
-        max_context=256,
-        max_tokens_limit=128,
-        lg_fixed_group_size=1,
-        bootstrap_timeout_s=10.0,
-    )
-
-
 def test_disaggregated_greedy_equals_transformers_and_frees_pages():
     ckpt = checkpoint("llama")
-    prefill = PrefillProcess(**_params(ckpt))
-    decode = DecodeWorker(StageParams(**_params(ckpt)))
+    prefill = PrefillProcess(**tiny_params(ckpt))
+    decode = DecodeWorker(StageParams(**tiny_params(ckpt)))
     try:
         prompts = [random_prompt(n, seed=n) for n in (5, 17, 33, 9)]
         outs, cancel_flag = [], threading.Event()
@@ -85,8 +73,8 @@ def test_disaggregated_greedy_equals_transformers_and_frees_pages():
 
 def test_decode_refusal_releases_the_prefill_room_at_once():
     ckpt = checkpoint("llama")
-    prefill = PrefillProcess(**_params(ckpt))  # bootstrap_timeout_s=10
-    decode = DecodeWorker(StageParams(**_params(ckpt)))
+    prefill = PrefillProcess(**tiny_params(ckpt))  # bootstrap_timeout_s=10
+    decode = DecodeWorker(StageParams(**tiny_params(ckpt)))
     try:
         ids = random_prompt(200, seed=3)
         req = StageRequest(
@@ -115,7 +103,7 @@ def test_local_prefill_on_the_decode_server_needs_no_prefill_and_equals_transfor
     from backends.stages.router import LOCAL
 
     ckpt = checkpoint("llama")
-    decode = DecodeWorker(StageParams(**_params(ckpt)))
+    decode = DecodeWorker(StageParams(**tiny_params(ckpt)))
     try:
         prompts = [random_prompt(n, seed=n) for n in (6, 21)]
         outs = []
@@ -142,7 +130,7 @@ def test_bad_frames_on_the_cancel_channel_count_as_dropped_frames():
     """Unsigned and stale Cancels cancel nothing and show in the decode stage's dropped-frame
     counters (``pd_dropped_frames_total``)."""
     secret = "cancel-stats-secret-0123456789"
-    decode = DecodeWorker(StageParams(**_params(checkpoint("llama")), shared_secret=secret))
+    decode = DecodeWorker(StageParams(**tiny_params(checkpoint("llama")), shared_secret=secret))
     ctx = zmq.Context()
     try:
         before = decode.stats()["dropped_total"]

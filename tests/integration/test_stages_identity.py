@@ -11,8 +11,7 @@ import time
 
 import pytest
 from runtime_models import checkpoint, random_prompt
-from stagepeer import Collector, PrefillProcess
-from test_stages_direct import _params
+from stagepeer import Collector, PrefillProcess, tiny_params
 
 from backends.runtime.sampler import SamplingParams
 from backends.stages.decode import DecodeWorker
@@ -36,8 +35,8 @@ def other_weights(src: str, dst) -> str:
 
 def test_prefill_of_another_checkpoint_is_refused_at_once(tmp_path):
     ckpt = checkpoint("llama")
-    prefill = PrefillProcess(**_params(other_weights(ckpt, tmp_path / "llama-tuned")))
-    decode = DecodeWorker(StageParams(**_params(ckpt)))  # bootstrap_timeout_s=10
+    prefill = PrefillProcess(**tiny_params(other_weights(ckpt, tmp_path / "llama-tuned")))
+    decode = DecodeWorker(StageParams(**tiny_params(ckpt)))  # bootstrap_timeout_s=10
     try:
         ids = random_prompt(9, seed=1)
         c = Collector()

@@ -15,7 +15,7 @@ import pytest
 import torch
 from draft_models import hf_greedy_at, mla_target_gqa_draft
 from runtime_models import checkpoint, random_prompt
-from stagepeer import Collector, PrefillProcess
+from stagepeer import Collector, PrefillProcess, tiny_params
 
 from backends.runtime.kv_pool import KVPool
 from backends.runtime.runner import ModelRunner
@@ -33,16 +33,7 @@ PROMPTS = [random_prompt(n, seed=40 + n) for n in (5, 17, 8, 30)]
 
 
 def _params(target: str, **spec) -> dict:
-    return dict(
-        model_dir=target,
-        page_size=4,
-        num_pages=96,
-        max_context=256,
-        max_tokens_limit=128,
-        lg_fixed_group_size=1,
-        bootstrap_timeout_s=10.0,
-        **spec,
-    )
+    return tiny_params(target, num_pages=96, **spec)
 
 
 def _mla_gqa() -> tuple[str, dict]:
