@@ -13,8 +13,8 @@ bytes past the prompt in the last page (copied too) count as well.
 Cost (measured on the 2-core CI machine, load ~2.9, ``scripts/bench/bench_transfer.py --layouts
 smollm2-gqa --page-sizes 16 --dtype float32 --requests 3 --checksum``): a 4K-token SmolLM2 room
 (189 MB of KV) takes 14 ms per side with a contiguous page table (13 GB/s, the hardware CRC32C
-of the ``crc32c`` package), 29 ms fragmented (15,360 page runs); both sides together are 13 % /
-25 % of that request's transfer time over loopback (1.4 / 0.7 GB/s).
+of the ``crc32c`` package), 29 ms fragmented (15,360 page runs); both sides together are 21 % /
+22 % of that request's transfer time without checksum over loopback (1.4 / 0.7 GB/s).
 """
 
 from __future__ import annotations

@@ -51,9 +51,17 @@ def check(host: str, http_port: int, metrics_port: int, timeout: float = 2.0) ->
     code, text = _get(f"http://{host}:{metrics_port}/metrics", timeout)
     if code != 200:
         return f"metrics unreachable ({code or text})"
-    down = [lab.get("instance", "?") for lab, v in samples(text, "pd_ready") if v != 1]
-    if not down:
+    return verdict(text)
+
+
+def verdict(text: str) -> str | None:
+    """None when every ``pd_ready`` sample of a metrics page is 1, else why not."""
+    down_samples = [lab for lab, v in samples(text, "pd_ready") if v != 1]
+    if not down_samples:
         return None
+    down = [lab.get("instance", "?") for lab in down_samples]
+    if all(lab.get("stage") == "prefill" for lab in down_samples):  # its KV endpoint is down
+        return f"not ready: {', '.join(down)}: the prefill stage's KV transfer endpoint is down"
     states = []
     for lab, v in samples(text, "pd_router_server_incompatible"):
         if v == 1:

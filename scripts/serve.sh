@@ -191,12 +191,17 @@ start_openai() {
     kill -0 "$(cat "$OAIFILE")" 2>/dev/null || break
     sleep 0.25
   done
-  echo "[serve] the OpenAI front did not start; see $RUN_DIR/openai-$HTTP.log" >&2
+  kill "$(cat "$OAIFILE")" 2>/dev/null || true
+  rm -f "$OAIFILE"
+  echo "[serve] the OpenAI front did not start on $HOST:$OPENAI_PORT (port in use? pick another with" \
+    "--openai-port, or --no-openai); last lines of $RUN_DIR/openai-$HTTP.log:" >&2
+  tail -n 5 "$RUN_DIR/openai-$HTTP.log" >&2
+  return 1
 }
 
 # the watcher that reloads a model whose stub died; it exits when tritonserver does
 start_supervisor() {
-  start_openai "$1"
+  start_openai "$1" || return 1
   [ "$SUPERVISE" = 1 ] || return 0
   setsid "$PY" "$ROOT/scripts/supervise.py" --url "http://$HOST:$HTTP" --pid "$1" \
     --key-file "$KEYFILE" --retire-dir "$PD_RETIRE_DIR" --models "$MODEL_LIST" >>"$2" 2>&1 </dev/null &
@@ -213,7 +218,7 @@ if [ "$FOREGROUND" = 1 ]; then
     kill -0 "$PID" 2>/dev/null || break
     sleep 1
   done
-  start_supervisor "$PID" /dev/stdout
+  start_supervisor "$PID" /dev/stdout || { stop_server "$PID"; exit 1; }
   wait $PID || true
   stop_supervisor; stop_server "$PID"
   exit 0
@@ -235,7 +240,7 @@ for i in $(seq 1 "$TIMEOUT"); do
   fi
   if curl -sf "http://$HOST:$HTTP/v2/health/ready" >/dev/null 2>&1; then
     echo " ready after ${i}s (role $ROLE: $MODEL_LIST)"
-    start_supervisor "$PID" "$LOG"
+    start_supervisor "$PID" "$LOG" || { stop_server "$PID"; rm -f "$PIDFILE"; exit 1; }
     echo "[serve] HTTP    http://$HOST:$HTTP  (POST /v2/models/ensemble/generate[_stream])"
     echo "[serve] gRPC    $HOST:$GRPC"
     [ -f "$OAIFILE" ] && echo "[serve] OpenAI  http://$HOST:$OPENAI_PORT/v1  (chat/completions, completions, models)"

@@ -12,6 +12,7 @@ import uuid
 import tritonclient.grpc.aio as aio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from . import protocol as p
 from .errors import APIError
@@ -40,18 +41,22 @@ class Front:
         if self.inflight >= self.max_inflight:
             raise APIError(503, f"overloaded, retry later: {self.inflight} requests in flight")
         self.inflight += 1
-        session = Session(self.client, self.ensemble, inputs)
+        fields = tuple(req.model_fields_set)
+        session = Session(self.client, self.ensemble, inputs, fields)
+        release = self._releaser(session)
         chunks = session.chunks()
         out = Answer(kind, req, self.names[0])
         try:
             first = await _watched(anext(chunks), session, http)
         except BaseException:
-            self.inflight -= 1
-            session.cancel()
+            release()
             raise
         if req.stream:
-            return StreamingResponse(self._sse(out, first, chunks, session),
-                                     media_type="text/event-stream")  # fmt: skip
+            # released by the stream's end, or by the background task when the client went
+            # away before the stream began (the generator's own finally never runs then)
+            return StreamingResponse(self._sse(out, first, chunks, release),
+                                     media_type="text/event-stream",
+                                     background=BackgroundTask(release))  # fmt: skip
         try:
             out.add(first)
             while not first.finish_reason:
@@ -59,10 +64,22 @@ class Front:
                 out.add(first)
             return JSONResponse(out.whole())
         finally:
-            self.inflight -= 1
-            session.cancel()
+            release()
 
-    async def _sse(self, out: Answer, first: Chunk, chunks, session: Session):
+    def _releaser(self, session: Session):
+        """A callable that cancels ``session`` and frees its in-flight slot, once."""
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.inflight -= 1
+                session.cancel()  # a client that went away cancels the request on the server
+
+        return release
+
+    async def _sse(self, out: Answer, first: Chunk, chunks, release):
         try:
             if out.kind == "chat":
                 yield _event(out.chunk({"role": "assistant", "content": ""}, None, None))
@@ -79,8 +96,7 @@ class Front:
         except APIError as e:
             yield _event(e.body())
         finally:
-            self.inflight -= 1
-            session.cancel()  # a client that went away cancels the request on the server
+            release()
         yield "data: [DONE]\n\n"
 
 
@@ -113,7 +129,9 @@ class Answer:
         self.text, self.ids, self.logprobs = "", [], []
         self.finish_reason, self.prompt_tokens = None, 0
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        self.offset = 0
+        # text_offset of the first generated token: after the echoed prompt
+        echo = getattr(req, "echo", False) and isinstance(req.prompt, str)
+        self.offset = len(req.prompt) if echo else 0
 
     def add(self, c: Chunk) -> None:
         self.text += c.text

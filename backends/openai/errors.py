@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from fastapi.responses import JSONResponse
 
 RETRY_AFTER_S = 1
@@ -27,10 +29,16 @@ def invalid(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
-def from_server(message: str) -> APIError:
-    """The client-facing error for an error message of the ensemble."""
+# ensemble input names that differ from the OpenAI field they come from
+_PARAM = {"text_input": "prompt", "input_ids": "prompt", "top_logprobs": "logprobs"}
+
+
+def from_server(message: str, fields: tuple[str, ...] = ()) -> APIError:
+    """The client-facing error for an error message of the ensemble; ``param`` is the first of
+    ``fields`` (the request's own field names) that the message names."""
     if "overloaded, retry later" in message:
         return APIError(503, message)
     if "invalid request:" in message or "must be" in message or "exceeds the context" in message:
-        return APIError(400, message)
+        words = (_PARAM.get(w, w) for w in re.findall(r"[A-Za-z_]+", message))
+        return APIError(400, message, next((w for w in words if w in fields), None))
     return APIError(500, message)

@@ -4,7 +4,9 @@ Every field of the OpenAI API is either mapped onto an ensemble input (see docs/
 "OpenAI API"), ignored because it has no effect on the output (``user``, ``metadata``,
 ``store``, ``service_tier``), or refused with a 400 that names it: this server never silently
 drops a field that would change the answer. Extra fields vLLM's server accepts (``top_k``,
-``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``) are mapped too.
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``) are mapped too. A message's
+``name`` is refused (the chat templates here have no place for it). A negative ``seed`` (valid in
+the API) is sent modulo 2**63: the ensemble reads a negative seed as "no seed".
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ..stages.compat import SEED_MOD
 from .errors import APIError, invalid
 
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
@@ -96,7 +99,8 @@ def _sampling_inputs(req: _Common, max_tokens: int | None) -> dict[str, np.ndarr
     inp: dict[str, np.ndarray] = {}
     scalars = {
         "temperature": (req.temperature, np.float32), "top_p": (req.top_p, np.float32),
-        "top_k": (req.top_k, np.int32), "seed": (req.seed, np.int64),
+        "top_k": (req.top_k, np.int32),
+        "seed": (None if req.seed is None else req.seed % SEED_MOD, np.int64),
         "presence_penalty": (req.presence_penalty, np.float32),
         "frequency_penalty": (req.frequency_penalty, np.float32),
         "repetition_penalty": (req.repetition_penalty, np.float32),
@@ -112,7 +116,6 @@ def _sampling_inputs(req: _Common, max_tokens: int | None) -> dict[str, np.ndarr
         inp["stop_token_ids"] = np.array(req.stop_token_ids, dtype=np.int32)
     inp["stream"] = np.array([req.stream], dtype=np.bool_)
     return inp
-
 
 
 def chat_inputs(req: ChatRequest) -> dict[str, np.ndarray]:
@@ -138,7 +141,7 @@ def _messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
         role = "system" if role == "developer" else role
         if role not in ("system", "user", "assistant"):
             raise invalid(f"messages[{i}].role {role!r} is not supported", f"messages[{i}].role")
-        for key in set(m) - {"role", "content", "name"}:
+        for key in set(m) - {"role", "content"}:
             raise invalid(f"messages[{i}].{key} is not supported", f"messages[{i}].{key}")
         out.append({"role": role, "content": _text(m.get("content"), i)})
     return out

@@ -50,6 +50,7 @@ class Session:
     client: aio.InferenceServerClient
     model: str
     inputs: dict[str, np.ndarray]
+    fields: tuple[str, ...] = ()  # the OpenAI request's field names (an error's param)
     _done: asyncio.Event = field(default_factory=asyncio.Event)
     _call: object = None
 
@@ -68,7 +69,7 @@ class Session:
         try:
             async for result, error in self._call:
                 if error is not None:
-                    raise from_server(str(error))
+                    raise from_server(str(error), self.fields)
                 chunk = Chunk.of(result)
                 yield chunk
                 if chunk.finish_reason:

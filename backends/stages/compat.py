@@ -11,6 +11,9 @@ Started with ``--backend vllm`` it sends rank-1 tensors that this ensemble decla
 
 A field given both as its own input and in ``sampling_parameters`` is refused (which one wins
 would be a guess); so is a ``sampling_parameters`` key this server does not implement.
+``logprobs`` there is the chat form (``true``/``false``, with ``top_logprobs``: N) or the
+completions form (an integer N); a negative ``seed`` (valid in the OpenAI API) is taken modulo
+2**63, since this server reads a negative seed input as "no seed".
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ _JSON_KEYS = {
     "top_k": "top_k", "seed": "seed", "stop": "stop", "stop_token_ids": "stop_token_ids",
     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
     "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
-    "logprobs": "logprobs",
 }  # fmt: skip
 # keys whose only accepted value is the one this server implements anyway
 _JSON_FIXED = {"n": 1, "best_of": 1, "skip_special_tokens": True, "detokenize": True}
@@ -65,6 +67,9 @@ def frontend_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"input sampling_parameters is not JSON: {e}") from None
     if not isinstance(sp, dict):
         raise ValueError("input sampling_parameters must be a JSON object")
+    _logprobs(sp)
+    if isinstance(sp.get("seed"), int) and sp["seed"] < 0:
+        sp["seed"] %= SEED_MOD
     for key, value in sp.items():
         if key in _JSON_FIXED:
             if value not in (None, _JSON_FIXED[key]):
@@ -73,7 +78,7 @@ def frontend_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
                     f" (only {_JSON_FIXED[key]!r})"
                 )
             continue
-        name = _JSON_KEYS.get(key)
+        name = "logprobs" if key == "logprobs" else _JSON_KEYS.get(key)
         if name is None:
             raise ValueError(f"sampling_parameters.{key} is not supported by this server")
         if value is None:
@@ -82,3 +87,16 @@ def frontend_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{key} given both as an input and in sampling_parameters")
         out[name] = [value] if isinstance(value, str) else value
     return out
+
+
+SEED_MOD = 2**63
+
+
+def _logprobs(sp: dict[str, Any]) -> None:
+    """``sp``'s ``logprobs`` / ``top_logprobs`` turned into one ``logprobs``: N (or none)."""
+    top = sp.pop("top_logprobs", None)
+    lp = sp.get("logprobs")
+    if isinstance(lp, bool):  # the chat form: logprobs true/false, top_logprobs N
+        sp["logprobs"] = (top or 0) if lp else None
+    elif top is not None:
+        raise ValueError("sampling_parameters.top_logprobs needs logprobs: true")

@@ -10,7 +10,8 @@ from triton_harness import MAX_CONTEXT, MAX_TOKENS_LIMIT, Reference, Server, lau
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    reuse = os.environ.get("PD_E2E_SERVER")  # "http,grpc,metrics_url,trace_dir,log" (debugging)
+    # "http,grpc,metrics_url,trace_dir,log[,openai base url]" of a running server (debugging)
+    reuse = os.environ.get("PD_E2E_SERVER")
     if reuse:
         yield Server(*reuse.split(","))
         return

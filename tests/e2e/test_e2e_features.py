@@ -10,7 +10,13 @@ import subprocess
 import sys
 
 import pytest
-from triton_harness import ROOT, grpc_responses, http_generate, http_generate_stream
+from triton_harness import (
+    MAX_TOKENS_LIMIT,
+    ROOT,
+    grpc_responses,
+    http_generate,
+    http_generate_stream,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 Q = "What is the capital of France?"
@@ -24,7 +30,10 @@ def test_triton_openai_frontend_tensors(server, reference):
         [{"role": "user", "content": Q}], add_generation_prompt=True, tokenize=False
     )
     want = reference.greedy(Q, True, 10)
-    sp = {"temperature": 0.0, "max_tokens": 10, "logprobs": 2}
+    # a chat request as the frontend dumps it: every field with a default, logprobs in chat form
+    sp = {"frequency_penalty": 0, "ignore_eos": False, "logprobs": True, "top_logprobs": 2,
+          "n": 1, "presence_penalty": 0, "temperature": 0.0, "top_p": 1,
+          "max_tokens": 10}  # fmt: skip
     fields = {
         "text_input": prompt, "stream": True, "exclude_input_in_output": True,
         "sampling_parameters": json.dumps(sp), "return_num_input_tokens": True,
@@ -73,9 +82,15 @@ def test_stop_token_ids_and_echo(server, reference, stream):
 
 
 def test_missing_max_tokens_takes_the_default(server):
-    out = http_generate(server, {"text_input": "Say hi.", "apply_chat_template": True})
+    """default_max_tokens (256) capped by max_tokens_limit and the context left; /generate and
+    /generate_stream (which once answered an empty body) both get it."""
+    fields = {"text_input": "Say hi.", "apply_chat_template": True, "ignore_eos": True}
+    out = http_generate(server, fields)
     assert out["status"] == 200, out
-    assert out["finish_reason"] in ("stop", "length") and out["num_output_tokens"] >= 1
+    assert out["finish_reason"] == "length" and out["num_output_tokens"] == MAX_TOKENS_LIMIT
+    events = http_generate_stream(server, {"text_input": "Say hi.", "stream": True})
+    assert events and events[-1]["finish_reason"] in ("stop", "length"), events
+    assert sum(e["num_output_tokens"] for e in events) >= 1
 
 
 def test_max_tokens_1_is_exactly_one_response(server, reference):

@@ -1,6 +1,7 @@
 """Overload through a real tritonserver whose decode pool holds ONE long request at a time:
 waiting for pages is backpressure, never a failure (even far past bootstrap_timeout_s); past
-max_queue a request gets 'overloaded, retry later' at once (gRPC UNAVAILABLE, HTTP 503)."""
+max_queue a request gets 'overloaded, retry later' at once (gRPC UNAVAILABLE; HTTP generate
+answers 400 or 503 depending on the endpoint's error mapping, docs/serving.md)."""
 
 from __future__ import annotations
 
