@@ -148,22 +148,37 @@ class ModelRunner:
         on_group: Callable[[int, int], None] | None = None,
         start_pos: int = 0,
     ) -> torch.Tensor:
-        """Run ``token_ids`` at [start_pos, ...) layer group by layer group.
+        """One sequence's :meth:`prefill_batch`: its last position's logits [vocab] float32."""
+        seq = SeqInput(token_ids, start_pos, pages)
+        return self.prefill_batch(pool, [seq], groups, on_group)[0]
 
-        After each group (a, b) the KV of layers [a, b) is in the pool and ``on_group(a, b)`` is
-        called. Returns the last position's logits [vocab] float32.
+    @torch.inference_mode()
+    def prefill_batch(
+        self,
+        pool: KVPool,
+        seqs: list[SeqInput],
+        groups: list[tuple[int, int]] | None = None,
+        on_group: Callable[[int, int], None] | None = None,
+    ) -> torch.Tensor:
+        """Run every sequence's new tokens in ONE forward, layer group by layer group (a
+        prompt's later chunk reads its earlier chunks' KV from the pool through its pages).
+
+        After each group (a, b) the KV of layers [a, b) of every sequence is in the pool and
+        ``on_group(a, b)`` is called. Returns each sequence's last position's logits
+        [B, vocab] float32.
         """
         self._check_pool(pool)
-        if not token_ids:
-            raise ValueError("prefill needs at least one token")
+        if not seqs or any(not s.token_ids for s in seqs):
+            raise ValueError("prefill needs at least one token per sequence")
         groups = self._check_groups(groups)
-        meta = self._meta(pool, [(start_pos, len(token_ids), pages)])
-        h = self.model.embed(self._ids(token_ids))  # [T, hidden]
+        meta = self._meta(pool, [(s.start_pos, len(s.token_ids), s.pages) for s in seqs])
+        h = self.model.embed(self._ids([t for s in seqs for t in s.token_ids]))  # [T, hidden]
         for a, b in groups:
             h = self.model.run_layers(h, meta, pool.tensor, a, b)
             if on_group is not None:
                 on_group(a, b)
-        return self.model.logits(h[-1:])[0]
+        ends = torch.tensor(meta.lengths, device=self.device).cumsum(0) - 1  # [B]
+        return self.model.logits(h[ends])  # [B, vocab]
 
     @torch.inference_mode()
     def forward(

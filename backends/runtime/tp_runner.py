@@ -264,17 +264,17 @@ class TPModelRunner(ShardRunner):
             self._send(Command(FORWARD, pid, last_only=last_only, seqs=wire))
             return self._in_step(lambda: ShardRunner.forward(self, pool, seqs, last_only))
 
-    def prefill(self, pool, token_ids, pages, groups=None, on_group=None, start_pos=0):
+    def prefill_batch(self, pool, seqs, groups=None, on_group=None):
         with self._lock:
             self._check_alive()
             pid = self._pool_id(pool)
             self._check_pool(pool)
-            if not token_ids:
-                raise ValueError("prefill needs at least one token")
+            if not seqs or any(not s.token_ids for s in seqs):
+                raise ValueError("prefill needs at least one token per sequence")
             groups = self._check_groups(groups)
-            self._meta(pool, [(start_pos, len(token_ids), pages)])
-            self._check_tokens(token_ids)
-            wire = [(list(token_ids), start_pos, list(pages))]
+            self._meta(pool, [(s.start_pos, len(s.token_ids), s.pages) for s in seqs])
+            self._check_tokens([t for s in seqs for t in s.token_ids])
+            wire = [(list(s.token_ids), s.start_pos, list(s.pages)) for s in seqs]
             self._send(Command(PREFILL, pid, seqs=wire))
             held: list[BaseException] = []
 
@@ -285,9 +285,7 @@ class TPModelRunner(ShardRunner):
                     except Exception as e:  # re-raised once every rank finished the forward
                         held.append(e)
 
-            out = self._in_step(
-                lambda: ShardRunner.prefill(self, pool, token_ids, pages, groups, hook, start_pos)
-            )
+            out = self._in_step(lambda: ShardRunner.prefill_batch(self, pool, seqs, groups, hook))
             if held:
                 raise held[0]
             return out

@@ -5,8 +5,8 @@ pickle). Layout: ``[VERSION, op, pool_id, ...]``, then per op:
 
 * ``MAKE_POOL``: ``num_pages, page_size, role`` (0 target, 1 draft);
 * ``DROP_POOL``: nothing (the pool is gone on rank 0);
-* ``FORWARD``: ``last_only, B, (start_pos, num_tokens, num_pages) x B, tokens..., pages...``;
-* ``PREFILL``: ``start_pos, num_tokens, num_pages, tokens..., pages...``;
+* ``FORWARD`` and ``PREFILL`` (a batch of prompts, layer-grouped on rank 0):
+  ``last_only, B, (start_pos, num_tokens, num_pages) x B, tokens..., pages...``;
 * ``STOP``: nothing;
 * ``LAYOUT``: nothing; the worker answers :func:`encode_layout` of its pool's layout.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
-VERSION = 1
+VERSION = 2  # 2: PREFILL carries a batch like FORWARD
 MAKE_POOL, DROP_POOL, FORWARD, PREFILL, STOP, LAYOUT = range(1, 7)
 LAYOUT_FIELDS = ("head_start", "kv_heads", "total_kv_heads", "base_addr")
 ROLES = ("target", "draft")
@@ -45,7 +45,7 @@ def encode(cmd: Command) -> bytes:
     out = array("q", [VERSION, cmd.op, cmd.pool_id])
     if cmd.op == MAKE_POOL:
         out.extend([cmd.num_pages, cmd.page_size, ROLES.index(cmd.role)])
-    elif cmd.op == FORWARD:
+    elif cmd.op in (FORWARD, PREFILL):
         out.extend([int(cmd.last_only), len(cmd.seqs)])
         for tokens, start, pages in cmd.seqs:
             out.extend([start, len(tokens), len(pages)])
@@ -53,11 +53,6 @@ def encode(cmd: Command) -> bytes:
             out.extend(tokens)
         for _, _, pages in cmd.seqs:
             out.extend(pages)
-    elif cmd.op == PREFILL:
-        ((tokens, start, pages),) = cmd.seqs
-        out.extend([start, len(tokens), len(pages)])
-        out.extend(tokens)
-        out.extend(pages)
     return out.tobytes()
 
 
@@ -70,7 +65,7 @@ def decode(buf: bytes) -> Command:
     cmd = Command(op=a[1], pool_id=a[2])
     if cmd.op == MAKE_POOL:
         cmd.num_pages, cmd.page_size, cmd.role = a[3], a[4], ROLES[a[5]]
-    elif cmd.op == FORWARD:
+    elif cmd.op in (FORWARD, PREFILL):
         cmd.last_only, B = bool(a[3]), a[4]
         heads = [a[5 + 3 * b : 8 + 3 * b] for b in range(B)]
         pos = 5 + 3 * B
@@ -81,9 +76,6 @@ def decode(buf: bytes) -> Command:
         for (start, _, n), t in zip(heads, toks, strict=True):
             cmd.seqs.append((t, start, a[pos : pos + n].tolist()))
             pos += n
-    elif cmd.op == PREFILL:
-        start, n, p = a[3], a[4], a[5]
-        cmd.seqs = [(a[6 : 6 + n].tolist(), start, a[6 + n : 6 + n + p].tolist())]
     elif cmd.op not in (DROP_POOL, STOP, LAYOUT):
         raise ValueError(f"unknown tensor-parallel command {cmd.op}")
     return cmd

@@ -130,8 +130,7 @@ def serve(runner, conn: Connection) -> None:
                 inputs = [SeqInput(t, s, p) for t, s, p in cmd.seqs]
                 runner.forward(pool, inputs, last_only=cmd.last_only)
             elif cmd.op == PREFILL:
-                ((tokens, start, pages),) = cmd.seqs
-                runner.prefill(pool, tokens, pages, start_pos=start)
+                runner.prefill_batch(pool, [SeqInput(t, s, p) for t, s, p in cmd.seqs])
         except Exception:
             log.exception("tensor-parallel rank %d: forward failed; exiting", runner.plan.rank)
             sys.exit(1)

@@ -65,14 +65,15 @@ class StageParams:
     )
     default_max_tokens: int = _p(256, ("preprocess",), "`max_tokens` of a request that gives"
                                  " none (capped by `max_tokens_limit` and the context left)")
+    max_prefill_tokens: int = _p(4096, ("prefill",), "prompt tokens per prefill forward: rooms"
+                                 " decode registered are batched up to it; a longer prompt goes"
+                                 " alone, in chunks of it (chunked prefill)")  # fmt: skip
     lg_enabled: bool = _p(
         _LG.enabled,
         ("prefill",),
         "layer-grouped KV streaming; `false` sends the whole KV after prefill",
     )
-    lg_min_tokens: int = _p(
-        _LG.min_tokens, ("prefill",), "prompts shorter than this go as one group"
-    )
+    lg_min_tokens: int = _p(_LG.min_tokens, ("prefill",), "prompts shorter than this: 1 group")
     lg_min_groups: int = _p(
         _LG.min_groups,
         ("prefill",),
@@ -214,7 +215,7 @@ class StageParams:
             )
         positive = (
             "page_size", "num_pages", "max_batch", "max_context", "max_tokens_limit", "max_queue",
-            "default_max_tokens")  # fmt: skip
+            "default_max_tokens", "max_prefill_tokens")  # fmt: skip
         for name in (*positive, "draft_layers", "spec_tokens", "failover_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(

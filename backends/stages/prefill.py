@@ -34,22 +34,17 @@ from kvtransfer import KVSender, RoomStatus
 from ..runtime.device import record_fence, resolve_device
 from ..runtime.kv_pool import KVPool
 from ..runtime.runner import ModelRunner
-from ..runtime.sampler import sample, token_logprobs
-from .draft import DRAFT, copy_prefix_kv, load_stage_draft, make_draft_pool, shares_target_layers
+from . import prefill_batch as batch
+from .draft import DRAFT, load_stage_draft, make_draft_pool, shares_target_layers
 from .errors import Overloaded
 from .latency import Observations
 from .params import StageParams
-from .request import StageRequest, logprob_extra
+from .prefill_batch import Groups, RoomGone
+from .request import StageRequest
 from .trace import TraceWriter
 
 log = logging.getLogger(__name__)
 DRAIN_S = 30.0  # at close, how long KV already computed may keep moving to its decode
-
-Groups = list[tuple[int, int]]
-
-
-class RoomGone(RuntimeError):
-    """The room ended (aborted, timed out) while prefill computed it: stop computing."""
 
 
 @dataclass
@@ -105,7 +100,8 @@ class PrefillWorker:
         # completion fence of the work queued so far on the compute stream (None on CPU); the
         # sender's transfer worker waits on it, never this worker's compute thread
         self.record_fence = lambda: record_fence(self.runner.device)
-        self.counters = dict.fromkeys(("requests", "failed", "overloaded", "loop_errors"), 0)
+        keys = ("requests", "failed", "overloaded", "loop_errors", "forwards")
+        self.counters = dict.fromkeys(keys, 0)
         self._cond = threading.Condition()
         self._jobs: dict[int, _Job] = {}  # room -> job, until on_done ran
         self._room_pages: dict[int, dict[str, list[int]]] = {}  # until the room's release
@@ -259,66 +255,90 @@ class PrefillWorker:
                     self._cond.wait(0.5)
                 if self._stop:
                     return
-                room = self._ready.popleft()
-                job = self._jobs.get(room)
-                if job is None or job.state != JobState.READY:
-                    continue
-                job.state = JobState.COMPUTING
+                rooms = batch.take(self._ready, self._ready_tokens, self.params.max_prefill_tokens)
+                jobs = [self._jobs[r] for r in rooms]
+                for job in jobs:
+                    job.state = JobState.COMPUTING
             try:
-                res = self._compute_job(job)
+                results = self._compute_jobs(jobs)
             except Exception as e:  # never kills the thread
                 self.counters["loop_errors"] += 1
-                log.exception("%s: room %d: unexpected error", self.name, room)
-                res = PrefillResult(room, error=f"prefill failed: internal error ({e})")
-            self._done(room, res)
+                log.exception("%s: rooms %s: unexpected error", self.name, rooms)
+                err = f"prefill failed: internal error ({e})"
+                results = [PrefillResult(r, error=err) for r in rooms]
+            for res in results:
+                self._done(res.room, res)
 
-    def _compute_job(self, job: _Job) -> PrefillResult:
-        req = job.req
-        res = PrefillResult(req.room)
-        res.timing["start"] = time.time()
-        self.latency.observe("queue", time.monotonic() - job.queued_at)
-        try:
-            if not self.sender.is_live(req.room):
-                raise RoomGone("the room ended before prefill started it")
-            pages = self._alloc_pages(len(req.prompt_ids))
-            with self._cond:
-                self._room_pages[req.room] = pages  # freed by _released, exactly once
+    def _ready_tokens(self, room: int) -> int | None:
+        """A ready room's prompt tokens (None: no longer ready). Holds ``_cond``."""
+        job = self._jobs.get(room)
+        return len(job.req.prompt_ids) if job and job.state == JobState.READY else None
+
+    def _compute_jobs(self, jobs: list[_Job]) -> list[PrefillResult]:
+        """Start every room of the batch (pages, ``start_room``) and run it as one forward.
+        A room whose pages are not free at once goes back to the front of the queue (only the
+        batch's first room waits for pages, as a single room always did)."""
+        now = time.monotonic()
+        members, results = [], []
+        for i, job in enumerate(jobs):
+            req = job.req
+            self.latency.observe("queue", now - job.queued_at)
+            m = batch.Member(req, {}, {"start": time.time()})
             try:
-                self.sender.start_room(req.room, pages)
-            except Exception:  # whoever pops the entry frees the pages: exactly once
+                if not self.sender.is_live(req.room):
+                    raise RoomGone("the room ended before prefill started it")
+                if i and not self._pages_free(len(req.prompt_ids)):
+                    self._requeue(jobs[i:])
+                    break
+                m.pages = self._alloc_pages(len(req.prompt_ids))
                 with self._cond:
-                    self._free(self._room_pages.pop(req.room, {}))
-                raise
-            res.first_token, extra = self._compute(req, pages, None, res.timing)
-            self.sender.finish(req.room, res.first_token, extra)
-        except Exception as e:
-            self._failed(res, e)
-        self._trace(res)
-        return res
+                    self._room_pages[req.room] = m.pages  # freed by _released, exactly once
+                try:
+                    self.sender.start_room(req.room, m.pages)
+                except Exception:  # whoever pops the entry frees the pages: exactly once
+                    with self._cond:
+                        self._free(self._room_pages.pop(req.room, {}))
+                    raise
+                members.append(m)
+            except Exception as e:
+                m.error = e
+                results.append(self._result(m))
+        if members:
+            batch.compute(self, members)
+        return results + [self._result(m) for m in members]
+
+    def _requeue(self, jobs: list[_Job]) -> None:
+        with self._cond:
+            for job in reversed(jobs):
+                job.state = JobState.READY
+                self._ready.appendleft(job.req.room)
+
+    def _pages_free(self, num_tokens: int) -> bool:
+        return all(pool.num_free >= pool.pages_needed(num_tokens) for _, pool in self._pools())
 
     def prefill_one(self, req: StageRequest, groups: Groups | None = None) -> PrefillResult:
         """Prefill one request NOW on the calling thread, without waiting for decode's
         registration (tests and benchmarks; serving uses :meth:`submit`). ``groups``
         overrides the layer-group policy."""
-        res = PrefillResult(req.room)
-        res.timing["start"] = time.time()
+        m = batch.Member(req, {}, {"start": time.time()})
         self.counters["requests"] += 1
-        pages: dict[str, list[int]] = {}
         try:
             self.check(req)
-            pages = self._alloc_pages(len(req.prompt_ids))
+            m.pages = self._alloc_pages(len(req.prompt_ids))
+            pages = m.pages
             self.sender.start_room(req.room, pages, lambda room, st: self._free(pages))
-            started = True
         except Exception as e:
-            self._free(pages)
-            started = False
-            self._failed(res, e)
-        if started:
-            try:
-                res.first_token, extra = self._compute(req, pages, groups, res.timing)
-                self.sender.finish(req.room, res.first_token, extra)
-            except Exception as e:
-                self._failed(res, e)
+            self._free(m.pages)
+            m.error = e
+            return self._result(m)
+        batch.compute(self, [m], groups)
+        return self._result(m)
+
+    def _result(self, m: batch.Member) -> PrefillResult:
+        res = PrefillResult(m.req.room, m.first_token, timing=m.timing)
+        if m.error is not None:
+            res.first_token = None
+            self._failed(res, m.error)
         self._trace(res)
         return res
 
@@ -328,36 +348,6 @@ class PrefillWorker:
         log.warning("%s: room %d: %s", self.name, res.room, res.error)
         if not isinstance(e, (KeyError, RoomGone)):  # a room id in use is not ours to end
             self.sender.abort(res.room, str(e))  # the release callback frees the pages
-
-    def _compute(self, req: StageRequest, pages: dict, groups: Groups | None, t: dict):
-        """Target layer groups (each handed to the sender as it is done), first token, draft.
-        Returns the first token and the Complete message's extra (its logprobs)."""
-        groups = groups or self.policy.groups(len(req.prompt_ids), self.runner.config.num_layers)
-        t["groups"] = []
-
-        def on_group(a: int, b: int) -> None:  # layers [a, b) are launched: fence, hand over
-            t["groups"].append([a, b, time.time()])
-            self.sender.send_group(req.room, "target", range(a, b), self.record_fence())
-            if b < self.runner.config.num_layers and not self.sender.is_live(req.room):
-                raise RoomGone("the room ended while prefill computed it")
-
-        logits = self.runner.prefill(
-            self.pool, req.prompt_ids, pages["target"], groups=groups, on_group=on_group
-        )  # [vocab]
-        sp, gen = req.sampling, req.sampling.make_generator(self.runner.device)
-        first = sample(logits[None], [sp], [gen], histories=[(req.prompt_ids, [])])[0]
-        extra = logprob_extra(token_logprobs(logits[None], [first], [sp])[0])
-        t["computed"] = time.time()
-        self.sender.first_token(req.room, first)  # decode streams it before the KV lands
-        if self.draft is not None:  # the draft's prompt KV: computed here, sent as entry 2
-            if self.draft_is_prefix:
-                copy_prefix_kv(self.pool, pages["target"], self.draft_pool, pages[DRAFT])
-            else:
-                self.draft.prefill(self.draft_pool, req.prompt_ids, pages[DRAFT])
-            layers = range(self.draft.config.num_layers)
-            self.sender.send_group(req.room, DRAFT, layers, self.record_fence())
-            t["draft_computed"] = time.time()
-        return first, extra
 
     def _trace(self, res: PrefillResult) -> None:
         self.trace.write({"stage": "prefill", "worker": self.name, "room": res.room,

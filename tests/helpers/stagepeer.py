@@ -5,6 +5,9 @@ reports the batch failed), to test how a room whose draft KV cannot be delivered
 ``fence_delay_s=D`` gives every layer group a completion fence that completes D seconds after
 the group was handed over (as a slow GPU stream would) and logs who polled it and when each
 Mooncake write was submitted (``fence_log()``).
+``batch_of=N`` makes the compute thread wait (at most 30 s) until N rooms are ready before it
+takes a batch, so a test can have N rooms prefilled in one forward (``submit_all``);
+``fail_room=R`` makes every ``send_group`` of room R raise (one room of a batch failing).
 """
 
 from __future__ import annotations
@@ -72,7 +75,53 @@ def _slow_fences(worker, delay: float) -> dict:
     return log
 
 
-def _serve(conn, params_kwargs: dict, fail_role: str | None, fence_delay: float) -> None:
+def _hold_batches(worker, n: int, sizes: list[int]) -> None:
+    from backends.stages import prefill_batch
+
+    take = prefill_batch.take
+
+    def held(ready, tokens_of, budget):  # called with worker._cond held; wait() releases it
+        end = time.monotonic() + 30
+        while len(ready) < n and time.monotonic() < end:
+            worker._cond.wait(0.05)
+        out = take(ready, tokens_of, budget)
+        sizes.append(len(out))
+        return out
+
+    prefill_batch.take = held
+
+
+def _fail_sends_of(worker, room: int) -> None:
+    send = worker.sender.send_group
+
+    def failing(r, *args, **kwargs):
+        if r == room:
+            raise RuntimeError(f"injected send failure for room {r}")
+        return send(r, *args, **kwargs)
+
+    worker.sender.send_group = failing
+
+
+def _submit_all(worker, reqs) -> list:
+    from backends.runtime.sampler import SamplingParams
+    from backends.stages.request import StageRequest
+
+    results, done = {}, threading.Event()
+
+    def on_done(res):
+        results[res.room] = (res.first_token, res.error)
+        if len(results) == len(reqs):
+            done.set()
+
+    for room, ids in reqs:
+        sp = SamplingParams(max_tokens=1)
+        worker.submit(StageRequest(room=room, prompt_ids=ids, sampling=sp), on_done)
+    done.wait(120)
+    return [results.get(room) for room, _ in reqs]
+
+
+def _serve(conn, params_kwargs: dict, fail_role: str | None, fence_delay: float,
+           batch_of: int = 0, fail_room: int | None = None) -> None:  # fmt: skip
     os.environ.setdefault("GLOG_minloglevel", "2")
     from backends.runtime.sampler import SamplingParams
     from backends.stages.params import StageParams
@@ -82,6 +131,11 @@ def _serve(conn, params_kwargs: dict, fail_role: str | None, fence_delay: float)
     worker = PrefillWorker(StageParams(**params_kwargs))
     if fail_role:
         _fail_writes_of(worker, fail_role)
+    if fail_room is not None:
+        _fail_sends_of(worker, fail_room)
+    sizes: list[int] = []
+    if batch_of:
+        _hold_batches(worker, batch_of, sizes)
     log = _slow_fences(worker, fence_delay) if fence_delay else {}
     conn.send(worker.bootstrap_addr)
     while True:
@@ -95,6 +149,9 @@ def _serve(conn, params_kwargs: dict, fail_role: str | None, fence_delay: float)
         if msg == "fence_log":
             conn.send({**log, "pollers": sorted(set(log["pollers"]))})
             continue
+        if msg[0] == "submit_all":
+            conn.send((_submit_all(worker, msg[1]), list(sizes)))
+            continue
         room, ids = msg
         req = StageRequest(room=room, prompt_ids=ids, sampling=SamplingParams(max_tokens=1))
         res = worker.prefill_one(req)
@@ -102,10 +159,11 @@ def _serve(conn, params_kwargs: dict, fail_role: str | None, fence_delay: float)
 
 
 class PrefillProcess:
-    def __init__(self, fail_role: str | None = None, fence_delay_s: float = 0.0, **params_kwargs):
+    def __init__(self, fail_role: str | None = None, fence_delay_s: float = 0.0,
+                 batch_of: int = 0, fail_room: int | None = None, **params_kwargs):  # fmt: skip
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        args = (child, params_kwargs, fail_role, fence_delay_s)
+        args = (child, params_kwargs, fail_role, fence_delay_s, batch_of, fail_room)
         self.proc = ctx.Process(target=_serve, args=args, daemon=True)
         self.proc.start()
         if not self.conn.poll(120):
@@ -118,6 +176,12 @@ class PrefillProcess:
 
     def prefill_timed(self, room: int, ids: list[int]):
         self.conn.send((room, ids))
+        return self.conn.recv()
+
+    def submit_all(self, reqs: list[tuple[int, list[int]]]):
+        """Submit every (room, prompt) as serving does (compute once decode registered) and wait
+        for all: ([(first token, error)], sizes of the batches the compute thread took)."""
+        self.conn.send(("submit_all", reqs))
         return self.conn.recv()
 
     def fence_log(self) -> dict:

@@ -24,7 +24,7 @@ import traceback
 STAGE = dict(bootstrap_timeout_s=120.0, transfer_timeout_s=600.0, max_batch=64)
 
 
-def _params(model: str, page_size: int, num_pages: int, device: str):
+def _params(model: str, page_size: int, num_pages: int, device: str, extra: dict):
     from backends.runtime.config import ModelConfig
     from backends.stages.params import StageParams
 
@@ -36,7 +36,7 @@ def _params(model: str, page_size: int, num_pages: int, device: str):
         max_context=ctx,
         max_tokens_limit=ctx - 1,
         device=device,
-        **STAGE,
+        **{**STAGE, **extra},
     )
 
 
@@ -68,13 +68,13 @@ def _serve(conn, make, handlers, log_path: str | None) -> None:
 
 
 # ---- prefill ---------------------------------------------------------------------------------
-def _prefill_make(model: str, page_size: int, num_pages: int, threads: int, device: str) -> dict:
+def _prefill_make(model, page_size, num_pages, threads, device, extra) -> dict:
     import torch
 
     from backends.stages.prefill import PrefillWorker
 
     torch.set_num_threads(threads)
-    worker = PrefillWorker(_params(model, page_size, num_pages, device))
+    worker = PrefillWorker(_params(model, page_size, num_pages, device, extra))
     info = {"bootstrap_addr": worker.bootstrap_addr, "num_layers": worker.runner.config.num_layers}
     return {"worker": worker, "info": info}
 
@@ -115,6 +115,30 @@ def _prefill_run(state: dict, reqs: list[dict]) -> list[dict]:
     return [_prefill_one(state, r) for r in reqs]
 
 
+def _prefill_submit(state: dict, reqs: list[dict]) -> dict:
+    """Submit every room as serving does (computed once decode registered, batched up to
+    ``max_prefill_tokens``); wait for all. Start time, errors, forwards run."""
+    from backends.runtime.sampler import SamplingParams
+    from backends.stages.request import StageRequest
+
+    worker, done, errors = state["worker"], threading.Event(), []
+    forwards0, left = worker.counters["forwards"], [len(reqs)]
+
+    def on_done(res) -> None:
+        if res.error:
+            errors.append(res.error)
+        left[0] -= 1
+        if not left[0]:
+            done.set()
+
+    t0 = time.time()
+    one = SamplingParams(max_tokens=1)
+    for r in reqs:
+        worker.submit(StageRequest(room=r["room"], prompt_ids=r["ids"], sampling=one), on_done)
+    done.wait(900)
+    return {"t_start": t0, "errors": errors, "forwards": worker.counters["forwards"] - forwards0}
+
+
 def _prefill_stats(state: dict, rooms: list[int]) -> dict:
     """The sender's per-group records (submitted / done, time.time()) of ``rooms``."""
     out = {}
@@ -129,10 +153,10 @@ def _prefill_stats(state: dict, rooms: list[int]) -> dict:
 
 
 # ---- decode ----------------------------------------------------------------------------------
-def _decode_make(model: str, page_size: int, num_pages: int, _threads: int, device: str) -> dict:
+def _decode_make(model, page_size, num_pages, _threads, device, extra) -> dict:
     from backends.stages.decode import DecodeWorker
 
-    worker = DecodeWorker(_params(model, page_size, num_pages, device))
+    worker = DecodeWorker(_params(model, page_size, num_pages, device, extra))
     return {"worker": worker, "info": {"cancel_addr": worker.cancel_addr}}
 
 
@@ -199,14 +223,16 @@ class Stage:
         threads: int = 1,
         log_dir: str | None = None,
         device: str = "cpu",
+        extra: dict | None = None,  # more stage parameters
     ):
+        handlers = {"run": _prefill_run, "stats": _prefill_stats, "submit": _prefill_submit}
         make, handlers = {
-            "prefill": (_prefill_make, {"run": _prefill_run, "stats": _prefill_stats}),
+            "prefill": (_prefill_make, handlers),
             "decode": (_decode_make, {"register": _decode_register}),
         }[kind]
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        init = _Init(make, model, page_size, num_pages, threads, device)
+        init = _Init(make, model, page_size, num_pages, threads, device, extra or {})
         log_path = os.path.join(log_dir, f"stage-{kind}.log") if log_dir else None
         self.proc = ctx.Process(target=_serve, args=(child, init, handlers, log_path), daemon=True)
         self.proc.start()

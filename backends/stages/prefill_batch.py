@@ -1,0 +1,172 @@
+"""One prefill forward over a batch of rooms (the prefill stage's compute step, no Triton).
+
+The compute thread takes registered rooms in registration order while their prompts fit
+``max_prefill_tokens`` (:func:`take`) and runs them as ONE forward (:func:`compute`): after each
+layer group, every live room of the batch gets its ``send_group`` with the batch's one completion
+fence, so layer-grouped streaming keeps working for all of them. Then each room's first token is
+sampled from its own last position (its own sampling parameters, generator and penalties) and
+sent before the KV lands; the draft's prompt KV follows as the ``draft`` entry.
+
+One room's failure (a send that raises, a room decode aborted between groups, a sampling error)
+fails that room only: it leaves the batch, and the forward goes on for the others; the forward
+stops early only when no room is left. A prompt longer than the budget is computed alone, in
+chunks of ``max_prefill_tokens`` (chunked prefill): each chunk reads the earlier chunks' KV from
+the pool through its pages, and the last chunk's layer groups are what streams (then every page of
+the room holds the layer's final KV).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..runtime.runner import SeqInput
+from ..runtime.sampler import sample, token_logprobs
+from .draft import DRAFT, copy_prefix_kv
+from .request import StageRequest, logprob_extra
+
+Groups = list[tuple[int, int]]
+
+
+class RoomGone(RuntimeError):
+    """The room ended (aborted, timed out) while prefill computed it: stop computing it."""
+
+
+@dataclass
+class Member:
+    """One room of a batch: its request, pages (every pool) and what happened to it."""
+
+    req: StageRequest
+    pages: dict[str, list[int]]
+    timing: dict = field(default_factory=dict)
+    first_token: int | None = None
+    extra: dict = field(default_factory=dict)  # Complete's extra (the first token's logprobs)
+    error: Exception | None = None
+
+
+def take(ready: deque[int], tokens_of: Callable[[int], int | None], budget: int) -> list[int]:
+    """Pop the rooms of the next batch from the front of ``ready``: in order, while their prompt
+    tokens fit ``budget`` (the first one always goes, alone when it exceeds the budget: it is
+    chunked). ``tokens_of(room)`` is None for a room that is no longer ready (dropped)."""
+    out, total = [], 0
+    while ready:
+        n = tokens_of(ready[0])
+        if n is None:
+            ready.popleft()
+            continue
+        if out and (total + n > budget or total >= budget):
+            break
+        out.append(ready.popleft())
+        total += n
+    return out
+
+
+def chunks(n: int, budget: int) -> list[tuple[int, int]]:
+    """[start, end) pieces of a prompt of ``n`` tokens, each at most ``budget`` long."""
+    return [(a, min(a + budget, n)) for a in range(0, n, budget)]
+
+
+def compute(worker, members: list[Member], groups: Groups | None = None) -> None:
+    """Run ``members`` (rooms already started on the sender) as one prefill and finish each:
+    first token and Complete for those that got through, ``member.error`` for the others."""
+    runner, sender, budget = worker.runner, worker.sender, worker.params.max_prefill_tokens
+    n_layers = runner.config.num_layers
+    live = list(members)
+
+    def drop(m: Member, e: Exception) -> None:
+        if m.error is None:
+            m.error = e
+        if m in live:
+            live.remove(m)
+
+    def on_group(a: int, b: int) -> None:  # layers [a, b) are launched: fence, hand over
+        fence = worker.record_fence()
+        for m in list(live):
+            m.timing.setdefault("groups", []).append([a, b, time.time()])
+            try:
+                sender.send_group(m.req.room, "target", range(a, b), fence)
+                if b < n_layers and not sender.is_live(m.req.room):
+                    raise RoomGone("the room ended while prefill computed it")
+            except Exception as e:  # this room only
+                drop(m, e)
+        if not live:
+            raise RoomGone("every room of the batch ended while prefill computed it")
+
+    seqs = [SeqInput(m.req.prompt_ids, 0, m.pages["target"]) for m in members]
+    worker.counters["forwards"] += 1
+    try:
+        if len(members) == 1 and len(members[0].req.prompt_ids) > budget:  # chunked prefill
+            seqs = [_earlier_chunks(worker, members[0], budget)]
+        total = sum(len(s.token_ids) for s in seqs)
+        groups = groups or worker.policy.groups(total, n_layers)
+        logits = runner.prefill_batch(worker.pool, seqs, groups, on_group)  # [B, vocab]
+    except Exception as e:  # the forward failed, or no room is left: every live room fails
+        for m in list(live):
+            drop(m, e)
+        return
+    _first_tokens(worker, members, live, logits, drop)
+    _draft(worker, live, drop)
+
+
+def _earlier_chunks(worker, m: Member, budget: int) -> SeqInput:
+    """Prefill every chunk of ``m``'s prompt but the last (no streaming: later chunks rewrite
+    nothing, but a layer's KV is complete only after the last chunk); the last chunk's input."""
+    ids, pages = m.req.prompt_ids, m.pages["target"]
+    *head, (a, b) = chunks(len(ids), budget)
+    for c0, c1 in head:
+        worker.runner.prefill_batch(worker.pool, [SeqInput(ids[c0:c1], c0, pages)])
+        if not worker.sender.is_live(m.req.room):
+            raise RoomGone("the room ended while prefill computed it")
+    return SeqInput(ids[a:b], a, pages)
+
+
+def _first_tokens(worker, members, live, logits, drop) -> None:
+    rows = [i for i, m in enumerate(members) if m in live]
+    batch = [members[i] for i in rows]
+    sps = [m.req.sampling for m in batch]
+    gens = [sp.make_generator(worker.runner.device) for sp in sps]
+    errors: dict[int, str] = {}
+    hist = [(m.req.prompt_ids, []) for m in batch]
+    firsts = sample(logits[rows], sps, gens, errors=errors, histories=hist)
+    lps = token_logprobs(logits[rows], firsts, sps)
+    for j, m in enumerate(batch):
+        if j in errors:
+            drop(m, RuntimeError(f"sampling failed: {errors[j]}"))
+            continue
+        m.first_token, m.extra = firsts[j], logprob_extra(lps[j])
+        m.timing["computed"] = time.time()
+        try:
+            worker.sender.first_token(m.req.room, m.first_token)  # before the KV lands
+        except Exception as e:
+            drop(m, e)
+
+
+def _draft(worker, live: list[Member], drop) -> None:
+    """The draft's prompt KV of every room still live (entry ``draft``), then Complete."""
+    if worker.draft is not None and live:
+        try:
+            if worker.draft_is_prefix:
+                for m in live:
+                    target, draft = m.pages["target"], m.pages[DRAFT]
+                    copy_prefix_kv(worker.pool, target, worker.draft_pool, draft)
+            else:
+                seqs = [SeqInput(m.req.prompt_ids, 0, m.pages[DRAFT]) for m in live]
+                worker.draft.prefill_batch(worker.draft_pool, seqs)
+        except Exception as e:
+            for m in list(live):
+                drop(m, e)
+        fence = worker.record_fence()
+        for m in list(live):
+            try:
+                layers = range(worker.draft.config.num_layers)
+                worker.sender.send_group(m.req.room, DRAFT, layers, fence)
+                m.timing["draft_computed"] = time.time()
+            except Exception as e:
+                drop(m, e)
+    for m in list(live):
+        try:
+            worker.sender.finish(m.req.room, m.first_token, m.extra)
+        except Exception as e:
+            drop(m, e)

@@ -1,0 +1,85 @@
+"""Batched and chunked prefill in the prefill stage (own process, real Mooncake) -> decode:
+16 rooms in ONE forward each equal transformers' greedy output (what one-at-a-time prefill gives,
+tests/integration/test_stages_direct.py); one failing room of a batch fails alone; a prompt
+longer than ``max_prefill_tokens`` prefilled in chunks equals the unchunked output."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from runtime_models import checkpoint, hf_greedy, random_prompt
+from stagepeer import Collector, PrefillProcess, tiny_params
+
+from backends.runtime.sampler import SamplingParams
+from backends.stages.decode import DecodeWorker
+from backends.stages.params import StageParams
+from backends.stages.request import StageRequest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+NEW = 6
+
+
+def _decode_all(decode: DecodeWorker, prefill: PrefillProcess, prompts: dict[int, list[int]]):
+    outs = {}
+    for room, ids in prompts.items():  # decode registers first, as in the ensemble
+        c = Collector()
+        req = StageRequest(room=room, prompt_ids=ids, sampling=SamplingParams(max_tokens=NEW),
+                           bootstrap_addr=prefill.addr, stream=True)  # fmt: skip
+        decode.submit(req, c)
+        outs[room] = c
+    return outs
+
+
+def _pages_back(decode: DecodeWorker, prefill: PrefillProcess) -> None:
+    end = time.time() + 10
+    while time.time() < end and (decode.pages_in_use or prefill.pages_in_use()):
+        time.sleep(0.1)
+    assert decode.pages_in_use == 0 and prefill.pages_in_use() == 0
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_sixteen_rooms_in_one_forward_equal_their_reference(fail):
+    ckpt = checkpoint("llama")
+    prompts = {300 + i: random_prompt(3 + 5 * i, seed=i) for i in range(16)}  # 3..78 tokens
+    bad = 305 if fail else None
+    params = tiny_params(ckpt, num_pages=256)
+    prefill = PrefillProcess(batch_of=16, fail_room=bad, **params)
+    decode = DecodeWorker(StageParams(**params))
+    try:
+        outs = _decode_all(decode, prefill, prompts)
+        results, sizes = prefill.submit_all(list(prompts.items()))
+        assert sizes[0] == 16, sizes  # one forward for all of them
+        for (room, ids), (first, err) in zip(prompts.items(), results, strict=True):
+            c = outs[room]
+            assert c.done.wait(60)
+            if room == bad:
+                assert first is None and "injected send failure" in err
+                assert c.events[-1].error, c.events[-1]
+                continue
+            assert err is None, err
+            want = hf_greedy("llama", ids, NEW)
+            assert first == want[0] and c.ids == want, room
+        _pages_back(decode, prefill)
+    finally:
+        decode.close()
+        prefill.stop()
+
+
+def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks():
+    ckpt = checkpoint("llama")
+    params = tiny_params(ckpt, max_prefill_tokens=16)
+    prefill = PrefillProcess(**params)  # 61 tokens: chunks of 16, 16, 16, 13
+    decode = DecodeWorker(StageParams(**params))
+    try:
+        prompts = {400: random_prompt(61, seed=9), 401: random_prompt(16, seed=10)}
+        outs = _decode_all(decode, prefill, prompts)
+        for room, ids in prompts.items():
+            first, err = prefill.prefill(room, ids)
+            assert err is None, err
+            assert outs[room].done.wait(60)
+            assert outs[room].ids == hf_greedy("llama", ids, NEW) and first == outs[room].ids[0]
+        _pages_back(decode, prefill)
+    finally:
+        decode.close()
+        prefill.stop()
