@@ -77,6 +77,7 @@ class DecodeFailover:
         # a first token already streamed stays the stream's first token: the new room's
         # FirstToken is not streamed again, and the engine's report of it is dropped once
         nxt.early_first, nxt.out_ids = r.early_first, list(r.out_ids)
+        nxt.text = r.text  # the detokenizer (and stop strings) has seen exactly those tokens
         nxt.t["failover"] = time.time()
         self.counters["failovers"] += 1
         log.warning(

@@ -44,3 +44,13 @@ def test_checksum_mismatch_and_incompatible_prefill_are_re_dispatched():
         assert nxt.req.bootstrap_addr == "10.0.0.2:1" and r.phase == Phase.DONE
     assert f.counters["failovers"] == 2
     assert not f._retry(active(), "aborted by decode: client cancelled")
+
+
+def test_the_re_dispatched_request_keeps_its_detokenizer():
+    """The multihost SIGKILL test once got every re-dispatched request's token ids right and its
+    text empty: the fresh request had no detokenizer."""
+    f, r = Fake(), active()
+    r.text = object()  # a TextState that has seen the tokens streamed so far
+    assert f._retry(r, "prefill peer lost: 10.0.0.1:1 silent for 5.0s")
+    nxt, _ = f._rerouted.popleft()
+    assert nxt.text is r.text
