@@ -237,7 +237,13 @@ def test_a_hung_prefill_server_loses_nothing_and_is_taken_back_when_it_resumes(c
     finally:
         os.killpg(p2.pid(), signal.SIGCONT)
     end = time.monotonic() + 60
-    while d.metrics().get(("pd_router_server_up", key)) != 1.0 and time.monotonic() < end:
+
+    def back() -> bool:  # routed to again, with what it held while hung drained (else the
+        m = d.metrics()  # load balance may rightly send the next few requests elsewhere)
+        up = m.get(("pd_router_server_up", key)) == 1.0
+        return up and m.get(("pd_router_load_tokens", key), 1.0) == 0.0
+
+    while not back() and time.monotonic() < end:
         time.sleep(0.25)
     before = routed(d, p2)
     jobs = jobs_of(len(PROMPTS))
