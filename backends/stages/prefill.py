@@ -4,10 +4,12 @@ One :class:`PrefillWorker` per prefill instance owns the model runner, its KV po
 :class:`~kvtransfer.KVSender` (bootstrap endpoint ``bootstrap_addr``), the layer-group policy,
 and ONE compute thread. :meth:`PrefillWorker.submit` queues a request; the compute thread takes
 it only once decode has registered its destination pages (decode holds its pages: natural
-backpressure, a request is never failed for waiting on decode), in registration order. Then:
-allocate pages, ``start_room``, run the prompt group by group calling ``send_group`` after each
-(with the group's completion fence), sample the first token, ``finish``. The sender's release
-callback frees the pages once the room ended and no write reads them any more.
+backpressure, a request is never failed for waiting on decode), in registration order, batched
+with the other registered rooms up to ``max_prefill_tokens`` (:mod:`.prefill_batch`). Then, per
+room: allocate pages, ``start_room``; for the batch: run the prompts group by group calling
+``send_group`` for every room after each (with the group's completion fence), sample each first
+token, ``finish``. The sender's release callback frees the pages once the room ended and no write
+reads them any more.
 
 Bounds: at most ``max_queue`` requests wait (more get :class:`~.errors.Overloaded` at once);
 a request decode never registers leaves after ``queue_timeout_s``; a room decode aborted is
@@ -100,7 +102,7 @@ class PrefillWorker:
         # completion fence of the work queued so far on the compute stream (None on CPU); the
         # sender's transfer worker waits on it, never this worker's compute thread
         self.record_fence = lambda: record_fence(self.runner.device)
-        keys = ("requests", "failed", "overloaded", "loop_errors", "forwards")
+        keys = ("requests", "failed", "overloaded", "loop_errors", "batches")
         self.counters = dict.fromkeys(keys, 0)
         self._cond = threading.Condition()
         self._jobs: dict[int, _Job] = {}  # room -> job, until on_done ran
@@ -282,14 +284,14 @@ class PrefillWorker:
         members, results = [], []
         for i, job in enumerate(jobs):
             req = job.req
+            if i and not self._pages_free(len(req.prompt_ids)):
+                self._requeue(jobs[i:])
+                break
             self.latency.observe("queue", now - job.queued_at)
             m = batch.Member(req, {}, {"start": time.time()})
             try:
                 if not self.sender.is_live(req.room):
                     raise RoomGone("the room ended before prefill started it")
-                if i and not self._pages_free(len(req.prompt_ids)):
-                    self._requeue(jobs[i:])
-                    break
                 m.pages = self._alloc_pages(len(req.prompt_ids))
                 with self._cond:
                     self._room_pages[req.room] = m.pages  # freed by _released, exactly once

@@ -56,7 +56,7 @@ def take(ready: deque[int], tokens_of: Callable[[int], int | None], budget: int)
         if n is None:
             ready.popleft()
             continue
-        if out and (total + n > budget or total >= budget):
+        if out and total + n > budget:
             break
         out.append(ready.popleft())
         total += n
@@ -95,7 +95,7 @@ def compute(worker, members: list[Member], groups: Groups | None = None) -> None
             raise RoomGone("every room of the batch ended while prefill computed it")
 
     seqs = [SeqInput(m.req.prompt_ids, 0, m.pages["target"]) for m in members]
-    worker.counters["forwards"] += 1
+    worker.counters["batches"] += 1
     try:
         if len(members) == 1 and len(members[0].req.prompt_ids) > budget:  # chunked prefill
             seqs = [_earlier_chunks(worker, members[0], budget)]

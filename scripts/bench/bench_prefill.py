@@ -46,7 +46,7 @@ def one_run(args, n: int, length: int, budget: int, room0: int) -> dict:
         if bad:
             raise RuntimeError(f"{len(bad)} rooms failed: {bad[:3]}")
         secs = max(r["t_done"] for r in got.values()) - sub["t_start"]
-        return {"seconds": secs, "forwards": sub["forwards"], "tok_s": n * length / secs}
+        return {"seconds": secs, "batches": sub["batches"], "tok_s": n * length / secs}
     finally:
         decode.stop()
         prefill.stop()
@@ -61,7 +61,7 @@ def measure(args, n: int, length: int) -> dict:
             res = one_run(args, n, length, budget, 1000 + 100 * r)
             runs[mode].append(res)
             log(f"{n} x {length} {mode} (budget {budget}) run {r + 1}: "
-                f"{res['tok_s']:.0f} prompt tok/s, {res['forwards']} forwards")  # fmt: skip
+                f"{res['tok_s']:.0f} prompt tok/s, {res['batches']} batches")  # fmt: skip
     for mode, budget in modes.items():
         tok_s = statistics.median(x["tok_s"] for x in runs[mode])
         out[mode] = {"budget": budget, "tok_s": tok_s, "runs": runs[mode]}

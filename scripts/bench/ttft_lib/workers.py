@@ -117,12 +117,12 @@ def _prefill_run(state: dict, reqs: list[dict]) -> list[dict]:
 
 def _prefill_submit(state: dict, reqs: list[dict]) -> dict:
     """Submit every room as serving does (computed once decode registered, batched up to
-    ``max_prefill_tokens``); wait for all. Start time, errors, forwards run."""
+    ``max_prefill_tokens``); wait for all. Start time, errors, batches computed."""
     from backends.runtime.sampler import SamplingParams
     from backends.stages.request import StageRequest
 
     worker, done, errors = state["worker"], threading.Event(), []
-    forwards0, left = worker.counters["forwards"], [len(reqs)]
+    batches0, left = worker.counters["batches"], [len(reqs)]
 
     def on_done(res) -> None:
         if res.error:
@@ -136,7 +136,7 @@ def _prefill_submit(state: dict, reqs: list[dict]) -> dict:
     for r in reqs:
         worker.submit(StageRequest(room=r["room"], prompt_ids=r["ids"], sampling=one), on_done)
     done.wait(900)
-    return {"t_start": t0, "errors": errors, "forwards": worker.counters["forwards"] - forwards0}
+    return {"t_start": t0, "errors": errors, "batches": worker.counters["batches"] - batches0}
 
 
 def _prefill_stats(state: dict, rooms: list[int]) -> dict:
