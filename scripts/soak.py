@@ -14,7 +14,7 @@ killed prefill was reloaded by serve.sh's supervisor; at the end no KV page is i
 stage and the server is ready.
 
     .venv/bin/python scripts/soak.py                       # 1,000 requests (about 15 min)
-    .venv/bin/python scripts/soak.py --requests 200 --max-prompt 250 --max-new 24 --json  # CI
+    .venv/bin/python scripts/soak.py --requests 120 --max-prompt 250 --max-new 24 --json  # CI
 """
 
 from __future__ import annotations
