@@ -13,7 +13,6 @@ and ``scripts/bench/setup_vllm_peer.sh``.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import signal
@@ -133,10 +132,9 @@ def aiperf(args, server, isl: int, osl: int, conc: int) -> dict:
     cpu0 = cpu_seconds(HTTP_PORT, server.port) if server.name == "ours" else {}
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     cpu1 = cpu_seconds(HTTP_PORT, server.port) if server.name == "ours" else {}
-    (path,) = glob.glob(os.path.join(out, "**", "profile_export_aiperf.json"), recursive=True)
-    with open(path) as f:
+    with open(os.path.join(out, "profile_export_aiperf.json")) as f:  # (phases/: per phase)
         raw = json.load(f)
-    res = {}
+    res = {"requests": raw["request_count"]["avg"], "errors": raw.get("error_summary") or []}
     for key, metric in METRICS.items():
         m = raw[metric]
         if key == "output_tok_s":
