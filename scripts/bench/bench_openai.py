@@ -171,7 +171,8 @@ def main() -> None:
     for (isl, osl, conc), r in results.items():
         row = {"isl": isl, "osl": osl, "concurrency": conc, **r}
         if "ours" in r and "vllm" in r:
-            row["ratios"] = {k: r["ours"][k] / r["vllm"][k] for k in r["vllm"]}
+            keys = [k for k, v in r["vllm"].items() if isinstance(v, float) and k != "requests"]
+            row["ratios"] = {k: r["ours"][k] / r["vllm"][k] for k in keys}
         rows.append(row)
     print("| load | server | TTFT p50 / p99 ms | ITL p50 / p99 ms | output tok/s |")
     print("|---|---|---:|---:|---:|")
