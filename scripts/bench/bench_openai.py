@@ -109,8 +109,8 @@ def cpu_seconds(http_port: int, openai_port: int) -> dict[str, float]:
             continue
         line = " ".join(argv)
         role = None
-        if "triton_python_backend_stub" in line and f"model_repository-{http_port}/" in line:
-            role = line.split(f"model_repository-{http_port}/", 1)[1].split("/", 1)[0]
+        if "triton_python_backend_stub" in line and "/1/model.py" in line:  # one server runs
+            role = line.split("/1/model.py", 1)[0].rsplit("/", 1)[1]
         elif argv[0].endswith("tritonserver") and str(http_port) in argv:
             role = "tritonserver"
         elif "backends.openai" in line and str(openai_port) in argv:
