@@ -23,8 +23,16 @@ gathers those rows (its own ``P``) into one registered slot, one write moves the
 scatters the slot into the same units of ITS ``P`` (:func:`staging_rows` on both sides), so a
 chunk can only ever land in pages decode registered for that room.
 
-Tensor parallelism: ``head_start`` / ``total_kv_heads`` say which KV heads this rank holds, so a
-future TP-aware sender can slice heads; today both sides must hold the same heads.
+Tensor parallelism: each rank's shard of an entry is an :class:`EntryLayout` of its own (its
+``base_addr`` in that rank's process) whose ``head_start`` / ``kv_heads`` of ``total_kv_heads``
+say which KV heads it holds (GQA; a head is replicated on several ranks when the TP size exceeds
+the heads; MLA: every rank holds the whole latent). :func:`shard_pieces` decides which prefill
+rank sends which heads to which decode rank: every head of every decode shard from exactly one
+prefill rank (the lowest one holding it), MLA only from prefill rank 0, once per decode rank.
+Within a page a head slice is ``page_size`` strided runs, so a piece that is not a whole shard
+goes through staging: its unit is still one (layer, component, page) row, but only heads
+``[src_off, src_off + heads)`` of the source row are gathered and they land at heads
+``[dst_off, dst_off + heads)`` of the destination row (:class:`~kvtransfer.staging.StagingArea`).
 """
 
 from __future__ import annotations
@@ -286,3 +294,76 @@ class PoolLayout:
 
     def signatures(self) -> dict[str, dict]:
         return {role: e.signature() for role, e in self.entries.items()}
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """Heads ``[head, head + heads)`` of entry ``role`` from prefill rank ``src`` (at head offset
+    ``src_off`` of its shard) to decode rank ``dst`` (at head offset ``dst_off``)."""
+
+    role: str
+    src: int
+    dst: int
+    head: int
+    heads: int
+    src_off: int
+    dst_off: int
+
+    def whole(self, src: EntryLayout, dst: EntryLayout) -> bool:
+        """Whole rows on both sides: direct copies of pages work (same shard on both ranks)."""
+        return self.heads == src.kv_heads == dst.kv_heads
+
+    def unit_bytes(self, lay: EntryLayout) -> int:
+        """Bytes one (layer, component, page) unit of this piece carries."""
+        return lay.page_size * self.heads * lay.head_dim * lay.elem_size
+
+
+_SHARD_FIELDS = ("kv_heads", "head_start", "total_kv_heads")
+
+
+def _same_entry(prefill: list[EntryLayout], decode: list[EntryLayout]) -> tuple[dict, int]:
+    """The shards' common signature (but the head range) and head count; ValueError if any
+    shard differs."""
+    if not prefill or not decode:
+        raise ValueError("every side needs at least one rank")
+    ref = {k: v for k, v in prefill[0].signature().items() if k not in _SHARD_FIELDS}
+    total = prefill[0].signature()["total_kv_heads"]
+    for side, shards in (("prefill", prefill), ("decode", decode)):
+        for rank, lay in enumerate(shards):
+            sig, where = lay.signature(), f"{side} rank {rank}"
+            for k, v in ref.items():
+                if sig[k] != v:
+                    raise ValueError(f"entry {ref['role']}: {k} differs ({where}: {sig[k]!r},"
+                                     f" prefill rank 0: {v!r})")  # fmt: skip
+            if sig["total_kv_heads"] != total:
+                raise ValueError(f"entry {ref['role']}: {where} has {sig['total_kv_heads']}"
+                                 f" KV heads in all, prefill rank 0 {total}")  # fmt: skip
+    return ref, total
+
+
+def shard_pieces(prefill: list[EntryLayout], decode: list[EntryLayout]) -> list[ShardPiece]:
+    """Which prefill rank sends which heads of one entry to which decode rank (rank order in
+    both lists). ValueError, naming what differs, when the shards cannot be paired: another
+    layout field, another head count, or a head a decode rank holds that no prefill rank has."""
+    ref, total = _same_entry(prefill, decode)
+    if ref["attn"] == "mla":  # the latent, whole on every rank: once per decode rank, from rank 0
+        return [ShardPiece(ref["role"], 0, d, 0, 1, 0, 0) for d in range(len(decode))]
+    out: list[ShardPiece] = []
+    for d, dl in enumerate(decode):
+        for h in range(dl.head_start, dl.head_start + dl.kv_heads):
+            src = next((r for r, pl in enumerate(prefill)
+                        if pl.head_start <= h < pl.head_start + pl.kv_heads), None)  # fmt: skip
+            if src is None:
+                raise ValueError(f"entry {ref['role']}: KV head {h} of decode rank {d} is held"
+                                 " by no prefill rank")  # fmt: skip
+            last = out[-1] if out else None
+            if last and last.dst == d and last.src == src and last.head + last.heads == h:
+                out[-1] = replace(last, heads=last.heads + 1)
+            else:
+                out.append(ShardPiece(ref["role"], src, d, h, 1, h - prefill[src].head_start,
+                                      h - dl.head_start))  # fmt: skip
+    held = {h for dl in decode for h in range(dl.head_start, dl.head_start + dl.kv_heads)}
+    if held != set(range(total)):
+        raise ValueError(f"entry {ref['role']}: decode ranks hold KV heads {sorted(held)},"
+                         f" not all {total}")  # fmt: skip
+    return out

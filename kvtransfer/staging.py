@@ -35,7 +35,7 @@ class StagingArea:
         torch = _torch()
         slot_bytes = -(-slot_bytes // 64) * 64  # every slot 64-byte aligned
         self.slots, self.slot_bytes = slots, slot_bytes
-        self.rows = {}
+        self.rows, self.layouts = {}, layouts
         self.device = None
         for role, t in tensors.items():
             lay = layouts[role]
@@ -60,43 +60,59 @@ class StagingArea:
             raise IndexError(f"slot {slot} outside [0, {self.slots})")
         return self.addr + slot * self.slot_bytes
 
-    def _page_bytes(self, role: str) -> int:
+    def _source(self, role: str, heads: tuple[int, int] | None):
+        """Entry ``role`` as rows, or (``heads`` = (first head, count)) as rows of that head slice
+        only: ``[rows, page_size, count, head words]``, a strided view of the pool."""
         rows = self.rows[role]
-        return rows.shape[1] * rows.element_size()
+        if heads is None:
+            return rows
+        lay, (first, count) = self.layouts[role], heads
+        if not (0 <= first and count >= 1 and first + count <= lay.kv_heads):
+            raise IndexError(f"heads [{first}, {first + count}) outside [0, {lay.kv_heads})")
+        if rows.shape[1] % (lay.page_size * lay.kv_heads):  # a head is not whole words: bytes
+            rows = rows.view(_torch().uint8)
+        per_token = rows.view(rows.shape[0], lay.page_size, lay.kv_heads, -1)
+        return per_token[:, :, first : first + count]
 
-    def fits(self, role: str) -> int:
-        """How many rows of entry ``role`` fit in one slot (0: its pages are too large)."""
-        return self.slot_bytes // self._page_bytes(role)
+    def fits(self, role: str, heads: tuple[int, int] | None = None) -> int:
+        """How many units of entry ``role`` (whole rows, or their ``heads`` slice) fit in one
+        slot (0: too large)."""
+        src = self._source(role, heads)
+        return self.slot_bytes // (src[0].numel() * src.element_size())
 
-    def _slot_rows(self, role: str, slot: int, count: int):
-        pb, rows = self._page_bytes(role), self.rows[role]
-        if count < 1 or count * pb > self.slot_bytes:
-            raise IndexError(f"{count} rows of {pb} B do not fit a slot of {self.slot_bytes} B")
+    def _slot_rows(self, src, slot: int, count: int):
+        """Slot ``slot`` seen as ``count`` contiguous units shaped like ``src``'s."""
+        unit = src[0].numel() * src.element_size()
+        if count < 1 or count * unit > self.slot_bytes:
+            raise IndexError(f"{count} units of {unit} B do not fit a slot of {self.slot_bytes} B")
         off = self.slot_addr(slot) - self.addr
-        return self.buffer[off : off + count * pb].view(rows.dtype).view(count, rows.shape[1])
+        return self.buffer[off : off + count * unit].view(src.dtype).view(count, *src.shape[1:])
 
     def _index(self, rows: list[int]):
         torch = _torch()
         return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=False)
 
-    def gather(self, role: str, rows: list[int], slot: int, after=None):
-        """Copy pool ``rows`` of ``role`` into ``slot`` (in order); returns a fence or None.
-        ``after``: the compute fence of those rows (a CUDA event is waited on by the stream)."""
+    def gather(self, role: str, rows: list[int], slot: int, after=None, heads=None):
+        """Copy pool ``rows`` of ``role`` (only ``heads`` = (first head, count) of each, when
+        given) into ``slot`` in order; returns a fence or None. ``after``: the compute fence of
+        those rows (a CUDA event is waited on by the stream)."""
         torch = _torch()
-        out = self._slot_rows(role, slot, len(rows))
+        src = self._source(role, heads)
+        out = self._slot_rows(src, slot, len(rows))
         if self._cuda and isinstance(after, torch.cuda.Event):
             torch.cuda.current_stream(self.device).wait_event(after)
-        torch.index_select(self.rows[role], 0, self._index(rows), out=out)
+        torch.index_select(src, 0, self._index(rows), out=out)
         if not self._cuda:
             return None
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
         return done
 
-    def scatter(self, role: str, rows: list[int], slot: int) -> None:
-        """Copy ``slot`` into pool ``rows`` of ``role``; returns once the slot is free again."""
-        src = self._slot_rows(role, slot, len(rows))
-        self.rows[role].index_copy_(0, self._index(rows), src)
+    def scatter(self, role: str, rows: list[int], slot: int, heads=None) -> None:
+        """Copy ``slot`` into pool ``rows`` of ``role`` (into ``heads`` of each, when given);
+        returns once the slot is free again. Nothing else of a row is written."""
+        dst = self._source(role, heads)
+        dst.index_copy_(0, self._index(rows), self._slot_rows(dst, slot, len(rows)))
         if self._cuda:
             _torch().cuda.current_stream(self.device).synchronize()
 

@@ -347,12 +347,17 @@ class DecodeWorker(DecodeControl, DecodeFailover):
 
     def _step(self) -> None:
         batch = len(self.engine.running)
+        start, cpu = time.time(), time.thread_time()
         out = self.engine.step()
+        cpu, now = time.thread_time() - cpu, time.time()
         c = self.counters
         c["steps"] += 1
         c["last_batch"] = batch
         c["max_batch"] = max(c["max_batch"], batch)
-        self._deliver(out, time.time())
+        self._deliver(out, now)
+        if self.trace.enabled:  # wall - cpu: the thread waited for a core (bench/trace_split.py)
+            self.trace.write({"stage": "decode-step", "start": start, "end": now, "cpu": cpu,
+                              "batch": batch, "sent": time.time()})  # fmt: skip
 
     def _deliver(self, out: StepOutput, now: float) -> None:
         """Emit each sequence's new tokens of one step; finish the sequences that ended."""

@@ -63,29 +63,23 @@ class StageParams:
         ("preprocess", "decode"),
         "largest `max_tokens` a request may ask for (< `max_context`)",
     )
-    default_max_tokens: int = _p(256, ("preprocess",), "`max_tokens` of a request that gives"
-                                 " none (capped by `max_tokens_limit` and the context left)")
-    max_prefill_tokens: int = _p(4096, ("prefill",), "prompt tokens per prefill forward: rooms"
-                                 " decode registered are batched up to it; a longer prompt goes"
-                                 " alone, in chunks of it (chunked prefill)")  # fmt: skip
-    lg_enabled: bool = _p(
-        _LG.enabled,
-        ("prefill",),
-        "layer-grouped KV streaming; `false` sends the whole KV after prefill",
-    )
+    default_max_tokens: int = _p(256, ("preprocess",), "`max_tokens` of a request that gives none"
+                                 " (capped by `max_tokens_limit` and context left)")  # fmt: skip
+    max_prefill_tokens: int = _p(4096, ("prefill",), "prompt tokens per prefill forward; a longer"
+                                 " prompt goes in chunks of it (chunked prefill)")  # fmt: skip
+    prefill_batch_tokens: int = _p(512, ("prefill",), "rooms decode registered are batched while"
+                                   " their prompts fit it (each member's first token waits for"
+                                   " the whole batch); capped by `max_prefill_tokens`")  # fmt: skip
+    lg_enabled: bool = _p(_LG.enabled, ("prefill",), "layer-grouped KV streaming; `false` sends"
+                          " the whole KV after prefill")  # fmt: skip
     lg_min_tokens: int = _p(_LG.min_tokens, ("prefill",), "prompts shorter than this: 1 group")
-    lg_min_groups: int = _p(
-        _LG.min_groups,
-        ("prefill",),
-        "groups at and above `lg_sat_multiplier` x `lg_min_tokens` tokens",
-    )
+    lg_min_groups: int = _p(_LG.min_groups, ("prefill",), "groups at and above"
+                            " `lg_sat_multiplier` x `lg_min_tokens` tokens")  # fmt: skip
     lg_max_groups: int = _p(_LG.max_groups, ("prefill",), "groups at `lg_min_tokens` tokens")
     lg_sat_multiplier: float = _p(
         _LG.sat_multiplier, ("prefill",), "where the group count reaches `lg_min_groups`"
     )
-    lg_fixed_group_size: int = _p(
-        0, ("prefill",), "`0` = adaptive policy; `N` = groups of N layers"
-    )
+    lg_fixed_group_size: int = _p(0, ("prefill",), "`0` = adaptive; `N` = groups of N layers")
     transport: str = _p(
         _TC.protocol,
         PD,
@@ -215,7 +209,7 @@ class StageParams:
             )
         positive = (
             "page_size", "num_pages", "max_batch", "max_context", "max_tokens_limit", "max_queue",
-            "default_max_tokens", "max_prefill_tokens")  # fmt: skip
+            "default_max_tokens", "max_prefill_tokens", "prefill_batch_tokens")  # fmt: skip
         for name in (*positive, "draft_layers", "spec_tokens", "failover_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(

@@ -5,7 +5,7 @@ One :class:`PrefillWorker` per prefill instance owns the model runner, its KV po
 and ONE compute thread. :meth:`PrefillWorker.submit` queues a request; the compute thread takes
 it only once decode has registered its destination pages (decode holds its pages: natural
 backpressure, a request is never failed for waiting on decode), in registration order, batched
-with the other registered rooms up to ``max_prefill_tokens`` (:mod:`.prefill_batch`). Then, per
+with the other registered rooms up to ``prefill_batch_tokens`` (:mod:`.prefill_batch`). Then, per
 room: allocate pages, ``start_room``; for the batch: run the prompts group by group calling
 ``send_group`` for every room after each (with the group's completion fence), sample each first
 token, ``finish``. The sender's release callback frees the pages once the room ended and no write
@@ -89,6 +89,7 @@ class PrefillWorker:
         self.draft_pool = make_draft_pool(params, self.draft) if self.draft else None
         self.draft_is_prefix = bool(self.draft) and shares_target_layers(self.draft, self.runner)
         self.policy = params.policy()
+        self._batch_tokens = min(params.prefill_batch_tokens, params.max_prefill_tokens)
         self.sender = KVSender(
             params.transfer_config(instance_index),
             {role: pool.layout for role, pool in self._pools()},
@@ -257,7 +258,7 @@ class PrefillWorker:
                     self._cond.wait(0.5)
                 if self._stop:
                     return
-                rooms = batch.take(self._ready, self._ready_tokens, self.params.max_prefill_tokens)
+                rooms = batch.take(self._ready, self._ready_tokens, self._batch_tokens)
                 jobs = [self._jobs[r] for r in rooms]
                 for job in jobs:
                     job.state = JobState.COMPUTING

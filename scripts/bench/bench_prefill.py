@@ -1,11 +1,11 @@
 """Prefill stage throughput: concurrent prompts batched into one forward (up to
-``max_prefill_tokens``) against one forward per prompt, with the KV going to a decode stage.
+``prefill_batch_tokens``) against one forward per prompt, with the KV going to a decode stage.
 
 Each run starts a prefill stage and a decode stage as separate processes (real Mooncake), has
 decode register every room at once (max_tokens 1, as the ensemble fans out), submits every room
 to prefill at once, and times until decode holds every room's KV and first token. "serial" sets
-``max_prefill_tokens`` to one prompt's length (one room a forward: the stage before batching);
-"batched" keeps the given budget (default: the stage default, 4096).
+``prefill_batch_tokens`` to one prompt's length (one room a forward: the stage before batching);
+"batched" keeps the given budget (default: the stage default, 512). Neither chunks a prompt.
 
     .venv/bin/python scripts/bench/bench_prefill.py --json
 """
@@ -29,7 +29,8 @@ from backends.stages.params import StageParams  # noqa: E402
 
 
 def one_run(args, n: int, length: int, budget: int, room0: int) -> dict:
-    extra = {"max_prefill_tokens": budget, "dtype": args.dtype}
+    chunk = max(budget, StageParams.max_prefill_tokens)  # batching only: nothing is chunked
+    extra = {"prefill_batch_tokens": budget, "max_prefill_tokens": chunk, "dtype": args.dtype}
     pages = n * (length // args.page_size + 2) + 8
     prefill = Stage("prefill", args.model, args.page_size, pages, args.threads, extra=extra)
     decode = Stage("decode", args.model, args.page_size, pages, 1, extra=extra)
@@ -74,7 +75,7 @@ def main() -> None:
     ap.add_argument("--model", default="models/smollm2-135m-instruct")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--loads", default="32x128,4x2048", help="PROMPTSxTOKENS,...")
-    ap.add_argument("--budget", type=int, default=StageParams.max_prefill_tokens)
+    ap.add_argument("--budget", type=int, default=StageParams.prefill_batch_tokens)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="prefill's torch")
     ap.add_argument("--runs", type=int, default=3)

@@ -1,14 +1,17 @@
-"""Serving benchmark: disaggregated (1 prefill + 1 decode server, one core each) vs colocated
-(one server prefilling locally, both cores) under Poisson arrivals of short chat prompts mixed
-with long (~2K-token) prompts.
+"""Serving benchmark at equal cores (2): disaggregated (1 prefill + 1 decode server, one core
+each) against two colocated replicas of one core each behind round-robin (the comparison
+DistServe makes) and against one colocated server on both cores, under Poisson arrivals of short
+chat prompts mixed with long (~2K-token) prompts.
 
-    .venv/bin/python scripts/bench/bench_serving.py --rates 0.15,0.3 --requests 24 \\
+    .venv/bin/python scripts/bench/bench_serving.py --rates 0.2,0.4,0.6 --requests 60 \\
         --out bench_out/serving
 
 Each configuration is started by this script with ``scripts/serve.sh`` under ``taskset``:
 
 * ``pd``: ``--role prefill`` on core 0 and ``--role decode --prefill-servers ...`` on core 1
   (``OMP_NUM_THREADS=1`` each: one core each);
+* ``replicas``: two colocated servers (as below), one on core 0 and one on core 1
+  (``OMP_NUM_THREADS=1`` each); the client sends request i to replica i mod 2;
 * ``colocated``: ``--role decode`` with ``router.local_prefill_max_tokens`` above every prompt
   (conditional disaggregation set to prefill everything locally, no prefill server) on cores
   0-1 with ``OMP_NUM_THREADS=2``.
@@ -41,6 +44,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVE = os.path.join(ROOT, "scripts", "serve.sh")
+CORES = 2  # every configuration gets cores 0-1
 SHORT_PROMPTS = [
     "What is the capital of France?", "Write a haiku about autumn.",
     "Give me three tips for sleep.", "Explain what a prime number is.",
@@ -76,12 +80,14 @@ class Servers:
                 "1", "1", run_dir, ["--role", "decode", "--prefill-servers", servers, *common],
                 secret,
             )  # fmt: skip
+            self.urls = [f"127.0.0.1:{self.ports[1]}"]
         else:
-            local = ["--set", "router.local_prefill_max_tokens=100000"]
-            self.ports = self._start(
-                "0,1", "2", run_dir, ["--role", "decode", *local, *common], secret
-            )
-        self.url = f"127.0.0.1:{self.ports[1]}"
+            local = ["--role", "decode", "--set", "router.local_prefill_max_tokens=100000"]
+            places = [("0", "1"), ("1", "1")] if mode == "replicas" else [("0,1", "2")]
+            self.urls = [
+                f"127.0.0.1:{self._start(c, t, run_dir, [*local, *common], secret)[1]}"
+                for c, t in places
+            ]
 
     def _start(self, cores: str, threads: str, run_dir: str, args: list[str], secret: str):
         ports = [free_port() for _ in range(3)]
@@ -163,12 +169,14 @@ def workload(n: int, rate: float, long_frac: float, long_tokens: int, seed: int)
     return jobs
 
 
-def run_jobs(url: str, jobs: list[dict]) -> list[dict]:
+def run_jobs(urls: list[str], jobs: list[dict]) -> list[dict]:
+    """Send each job at its time, job i to ``urls[i % len(urls)]`` (round-robin)."""
     recs = [{"cls": j["cls"], "times": [], "error": None, "at": j["at"]} for j in jobs]
     t0 = time.monotonic()
     threads = []
-    for j, rec in zip(jobs, recs, strict=True):
+    for i, (j, rec) in enumerate(zip(jobs, recs, strict=True)):
         time.sleep(max(0.0, t0 + j["at"] - time.monotonic()))
+        url = urls[i % len(urls)]
         th = threading.Thread(target=one_request, args=(url, j, rec), daemon=True)
         th.start()
         threads.append(th)
@@ -211,8 +219,9 @@ def plots(results: dict, out: str, rate_for_timeline: float) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    for ax, mode in zip(axes, ("pd", "colocated"), strict=True):
+    modes = list(results)
+    fig, axes = plt.subplots(len(modes), 1, figsize=(9, 3 * len(modes)), sharex=True, squeeze=False)
+    for ax, mode in zip(axes[:, 0], modes, strict=True):
         recs = results[mode]["runs"][str(rate_for_timeline)]["records"]
         for r in recs:
             ts = np.asarray(r["times"])
@@ -225,16 +234,17 @@ def plots(results: dict, out: str, rate_for_timeline: float) -> None:
         ax.set_yscale("log")
         ax.set_ylabel("ITL ms")
         ax.set_title(f"{mode}: ITL over time at {rate_for_timeline} req/s (red: long prompt sent)")
-    axes[-1].set_xlabel("s since start")
+    axes[-1, 0].set_xlabel("s since start")
     fig.tight_layout()
     fig.savefig(os.path.join(out, "serving_itl_timeline.png"), dpi=110)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in ("pd", "colocated"):
+    for mode in modes:
         runs = results[mode]["runs"]
         rates = sorted(float(r) for r in runs)
-        ax.plot(rates, [runs[str(r)]["summary"]["goodput"] for r in rates], marker="o", label=mode)
+        per_core = [runs[str(r)]["summary"]["goodput"] / CORES for r in rates]
+        ax.plot(rates, per_core, marker="o", label=mode)
     ax.set_xlabel("offered load, req/s")
-    ax.set_ylabel("goodput at SLO, req/s")
+    ax.set_ylabel("goodput at SLO per core, req/s")
     ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(out, "serving_goodput.png"), dpi=110)
@@ -243,14 +253,14 @@ def plots(results: dict, out: str, rate_for_timeline: float) -> None:
 def table(results: dict) -> str:
     rows = [
         "| config | load req/s | TTFT p50 / p99 s | ITL p50 / p99 ms | ITL p99 / idle ITL p99 | "
-        "goodput req/s | errors |",
-        "|---|---|---|---|---|---|---|",
+        "goodput req/s | per core | errors |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for mode, res in results.items():
         idle = res["idle"]["summary"]
         rows.append(
             f"| {mode} | idle | {idle['ttft_p50']:.2f} / {idle['ttft_p99']:.2f} | "
-            f"{idle['itl_p50'] * 1e3:.0f} / {idle['itl_p99'] * 1e3:.0f} | 1.00 | - | "
+            f"{idle['itl_p50'] * 1e3:.0f} / {idle['itl_p99'] * 1e3:.0f} | 1.00 | - | - | "
             f"{idle['errors']} |"
         )
         for rate, run in sorted(res["runs"].items(), key=lambda kv: float(kv[0])):
@@ -258,16 +268,17 @@ def table(results: dict) -> str:
             rows.append(
                 f"| {mode} | {rate} | {s['ttft_p50']:.2f} / {s['ttft_p99']:.2f} | "
                 f"{s['itl_p50'] * 1e3:.0f} / {s['itl_p99'] * 1e3:.0f} | "
-                f"{s['itl_p99'] / idle['itl_p99']:.2f} | {s['goodput']:.3f} | {s['errors']} |"
+                f"{s['itl_p99'] / idle['itl_p99']:.2f} | {s['goodput']:.3f} | "
+                f"{s['goodput'] / CORES:.3f} | {s['errors']} |"
             )
     return "\n".join(rows) + "\n"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--modes", default="pd,colocated")
-    ap.add_argument("--rates", default="0.15,0.3", help="offered loads, requests/s")
-    ap.add_argument("--requests", type=int, default=24, help="per rate")
+    ap.add_argument("--modes", default="pd,replicas,colocated")
+    ap.add_argument("--rates", default="0.2,0.4,0.6", help="offered loads, requests/s")
+    ap.add_argument("--requests", type=int, default=60, help="per rate")
     ap.add_argument("--long-frac", type=float, default=0.25)
     ap.add_argument("--long-tokens", type=int, default=1900)
     ap.add_argument("--ttft-slo-short", type=float, default=3.0, help="s")
@@ -289,12 +300,12 @@ def main(argv=None) -> int:
             idle_jobs = [j for j in workload(6, 1.0, 0.0, 0, args.seed)]
             recs = []
             for j in idle_jobs:  # one at a time: nothing else running
-                recs += run_jobs(srv.url, [{**j, "at": 0.0}])
+                recs += run_jobs(srv.urls, [{**j, "at": 0.0}])
             res = {"idle": {"summary": summarize(recs, slo, args.itl_slo)}, "runs": {}}
             log(f"{mode} idle: {res['idle']['summary']}")
             for rate in rates:
                 jobs = workload(args.requests, rate, args.long_frac, args.long_tokens, args.seed)
-                recs = run_jobs(srv.url, jobs)
+                recs = run_jobs(srv.urls, jobs)
                 s = summarize(recs, slo, args.itl_slo)
                 res["runs"][str(rate)] = {"summary": s, "records": recs}
                 log(f"{mode} {rate} req/s: {s}")
@@ -308,7 +319,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "serving.md"), "w") as f:
         f.write(md)
     print(md)
-    if len(results) == 2:
+    if len(results) >= 2:
         plots(results, args.out, rates[-1])
     return 0
 

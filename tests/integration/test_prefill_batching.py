@@ -42,7 +42,7 @@ def test_sixteen_rooms_in_one_forward_equal_their_reference_and_fail_alone():
     """Two batches of 16 in one prefill process: all good, then one room whose sends fail."""
     ckpt = checkpoint("llama")
     bad = 321
-    params = tiny_params(ckpt, num_pages=256)
+    params = tiny_params(ckpt, num_pages=256, prefill_batch_tokens=1024)  # 16 prompts: 648 tokens
     prefill = PrefillProcess(batch_of=16, fail_room=bad, **params)
     decode = DecodeWorker(StageParams(**params))
     try:
