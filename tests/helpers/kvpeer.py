@@ -313,7 +313,11 @@ class Peer:
 def serve(conn, side: str, entries: dict, config: dict, seed: int, device: str) -> None:
     os.environ.setdefault("GLOG_minloglevel", "2")
     try:
-        peer = Peer(side, entries, config, seed, device)
+        if side == "shards":  # one rank of a TP stage (tests/helpers/shardpeer.py)
+            from shardpeer import ShardPeer as cls
+        else:
+            cls = Peer
+        peer = cls(side, entries, config, seed, device)
         conn.send(("ok", peer.info()))
     except Exception:
         conn.send(("err", traceback.format_exc()))
