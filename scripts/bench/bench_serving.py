@@ -10,6 +10,9 @@ Each configuration is started by this script with ``scripts/serve.sh`` under ``t
 
 * ``pd``: ``--role prefill`` on core 0 and ``--role decode --prefill-servers ...`` on core 1
   (``OMP_NUM_THREADS=1`` each: one core each);
+* ``pd-local``: the same with conditional disaggregation: the decode server prefills prompts of
+  at most 256 tokens itself (``router.local_prefill_max_tokens``), so short prompts never queue
+  behind long ones at the prefill server;
 * ``replicas``: two colocated servers (as below), one on core 0 and one on core 1
   (``OMP_NUM_THREADS=1`` each); the client sends request i to replica i mod 2;
 * ``colocated``: ``--role decode`` with ``router.local_prefill_max_tokens`` above every prompt
@@ -45,6 +48,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVE = os.path.join(ROOT, "scripts", "serve.sh")
 CORES = 2  # every configuration gets cores 0-1
+LOCAL = 256  # pd-local: the decode server prefills prompts up to this many tokens itself
 SHORT_PROMPTS = [
     "What is the capital of France?", "Write a haiku about autumn.",
     "Give me three tips for sleep.", "Explain what a prime number is.",
@@ -73,12 +77,15 @@ class Servers:
         self.started: list[tuple[int, dict]] = []
         common = [a for s in sets for a in ("--set", s)]
         secret = os.path.join(run_dir, "secret")
-        if mode == "pd":
+        if mode.startswith("pd"):
             p = self._start("0", "1", run_dir, ["--role", "prefill", *common], secret)
             servers = f"127.0.0.1:{p[1]}:{p[2]}"
+            local = (
+                ["--set", f"router.local_prefill_max_tokens={LOCAL}"] if mode == "pd-local" else []
+            )
             self.ports = self._start(
-                "1", "1", run_dir, ["--role", "decode", "--prefill-servers", servers, *common],
-                secret,
+                "1", "1", run_dir,
+                ["--role", "decode", "--prefill-servers", servers, *local, *common], secret,
             )  # fmt: skip
             self.urls = [f"127.0.0.1:{self.ports[1]}"]
         else:
@@ -286,12 +293,17 @@ def main(argv=None) -> int:
     ap.add_argument("--itl-slo", type=float, default=0.5, help="per-request p99 ITL limit, s")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench_out", "serving"))
+    ap.add_argument("--merge", default="", help="an earlier run's serving.json: its configurations"
+                    " join this run's table and plots")  # fmt: skip
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     rates = [float(r) for r in args.rates.split(",")]
     slo = {"short": args.ttft_slo_short, "long": args.ttft_slo_long}
     sets = ["num_pages=1024", "max_context=2048"]
     results: dict = {}
+    if args.merge:
+        with open(args.merge) as f:
+            results.update(json.load(f)["results"])
     for mode in args.modes.split(","):
         run_dir = os.path.join(args.out, f"run-{mode}")
         os.makedirs(run_dir, exist_ok=True)
