@@ -29,6 +29,7 @@ so one run gives the before and after ratios under the same load.
     .venv/bin/python scripts/bench/bench_vs_vllm.py --json    # one JSON object
     .venv/bin/python scripts/bench/bench_vs_vllm.py --configs 8x512 --runs 5 --dtypes float32
     .venv/bin/python scripts/bench/bench_vs_vllm.py --baseline-root /tmp/base   # before / after
+    .venv/bin/python scripts/bench/bench_vs_vllm.py --method generate   # whole generate() calls
     .venv/bin/python scripts/bench/bench_vs_vllm.py --table-from run.err  # table of logged rows
 
 Worker protocol (stdin / stdout, one JSON object a line): the orchestrator sends
@@ -75,8 +76,9 @@ class OursWorker:
         self.pool = None
         self.calls = 0
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[list, float, float]:
-        """-> (outputs, seconds until every sequence had its first token, seconds in all)."""
+    def generate(self, prompts, max_tokens: int, wall: bool = False) -> tuple[list, float, float]:
+        """-> (outputs, seconds until every sequence had its first token, seconds in all);
+        ``wall``: one ``generate()`` call timed whole (first token time None)."""
         # One pool, allocated when a request first needs more pages and then reused, as a
         # server allocates its pool once at start (vLLM too: its KV cache space is reserved
         # when the engine starts). The warm-up call of each configuration sizes it, untimed.
@@ -88,6 +90,10 @@ class OursWorker:
         engine = self.engine_cls(self.runner, self.pool, max_batch=len(prompts))
         params = self.params_cls(max_tokens=max_tokens, ignore_eos=True)
         self.calls += 1
+        if wall:  # what a user of LLMEngine.generate gets
+            t0 = time.perf_counter()
+            seqs = engine.generate([(p, params) for p in prompts], prefix=f"c{self.calls}")
+            return [s.output_ids for s in seqs], None, time.perf_counter() - t0
         t0 = time.perf_counter()
         seqs = [engine.add_request(f"c{self.calls}-{i}", p, params) for i, p in enumerate(prompts)]
         first = None
@@ -111,7 +117,13 @@ class VLLMWorker:
         self.delta = RequestOutputKind.DELTA  # every step's new tokens, not only the final
         self.calls = 0
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[list, float, float]:
+    def generate(self, prompts, max_tokens: int, wall: bool = False) -> tuple[list, float, float]:
+        if wall:  # what a user of LLM.generate gets
+            params = self.params_cls(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            inputs = [self.prompt_cls(prompt_token_ids=p) for p in prompts]
+            t0 = time.perf_counter()
+            outs = self.llm.generate(inputs, params, use_tqdm=False)
+            return [list(o.outputs[0].token_ids) for o in outs], None, time.perf_counter() - t0
         params = self.params_cls(
             temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=self.delta
         )
@@ -137,7 +149,9 @@ def worker_main(args) -> int:
     print(MARK + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
-        outputs, first, seconds = worker.generate(req["prompts"], req["max_tokens"])
+        outputs, first, seconds = worker.generate(
+            req["prompts"], req["max_tokens"], req.get("wall", False)
+        )
         result = {"first": first, "seconds": seconds, "outputs": outputs}
         print(MARK + json.dumps(result), flush=True)
     return 0
@@ -171,8 +185,9 @@ class Worker:
                 return json.loads(line[len(MARK) :])
         raise RuntimeError(f"worker exited with {self.proc.wait()}")
 
-    def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+    def run(self, prompts: list[list[int]], max_tokens: int, wall: bool = False) -> dict:
+        req = {"prompts": prompts, "max_tokens": max_tokens, "wall": wall}
+        self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         return self._read()
 
@@ -189,8 +204,14 @@ def make_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[in
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(batch)]
 
 
-def measure(worker: Worker, prompts, max_tokens: int) -> tuple[float, float, list]:
-    """-> (seconds until every first token, seconds of the whole run, outputs), one run."""
+def measure(worker: Worker, prompts, max_tokens: int, method: str) -> tuple[float, float, list]:
+    """-> (seconds until every first token, seconds of the whole run, outputs). ``steps``: one
+    run driven step by step; ``generate``: a whole ``generate()`` with ``max_tokens=1`` timed
+    as the prefill, then one with ``max_tokens`` (two runs, as a user would time it)."""
+    if method == "generate":
+        first = worker.run(prompts, 1, wall=True)["seconds"]
+        full = worker.run(prompts, max_tokens, wall=True)
+        return first, full["seconds"], full["outputs"]
     full = worker.run(prompts, max_tokens)
     return full["first"], full["seconds"], full["outputs"]
 
@@ -212,7 +233,7 @@ def bench_dtype(args, dtype: str, configs: list[tuple[int, int]]) -> list[dict]:
                 order = list(workers) if r % 2 == 0 else list(workers)[::-1]
                 for name in order:
                     time.sleep(args.settle)  # the engine that ran before has gone idle
-                    t1, tn, out = measure(workers[name], prompts, args.max_tokens)
+                    t1, tn, out = measure(workers[name], prompts, args.max_tokens, args.method)
                     times[name].append((t1, tn))
                     log(f"{batch}x{length} {dtype} run {r} {name}: {t1:.2f} s, {tn:.2f} s")
                     outputs.setdefault(name, out)
@@ -327,6 +348,8 @@ def main(argv=None) -> int:
         "after their last step)",
     )
     ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--method", choices=["steps", "generate"], default="steps",
+                    help="how a run is timed (see measure())")  # fmt: skip
     ap.add_argument("--vllm-python", default=DEFAULT_PEER)
     ap.add_argument("--baseline-root", help="also run this runtime from another checkout")
     ap.add_argument("--table-from", help="print the table of the rows logged (stderr) by a run")
@@ -347,7 +370,8 @@ def main(argv=None) -> int:
         rows += bench_dtype(args, dtype, parse_configs(args.configs))
     if args.bf16_configs and "bfloat16" not in args.dtypes:
         rows += bench_dtype(args, "bfloat16", parse_configs(args.bf16_configs))
-    meta = {"model": args.model, "max_tokens": args.max_tokens, "runs": args.runs}
+    meta = {"model": args.model, "max_tokens": args.max_tokens, "runs": args.runs,
+            "method": args.method}  # fmt: skip
     meta.update(page_size=args.page_size, threads=args.threads, cpus=CPU_BIND)
     if args.json:
         ratios = {f"{r['config']}/{r['dtype']}": r for r in rows}

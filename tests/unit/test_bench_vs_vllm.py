@@ -19,11 +19,14 @@ def test_ours_worker_protocol():
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     prompts = [rm.random_prompt(5, seed=1), rm.random_prompt(9, seed=2)]
     req = json.dumps({"prompts": prompts, "max_tokens": 4}) + "\n"
+    req += json.dumps({"prompts": prompts, "max_tokens": 4, "wall": True}) + "\n"  # generate()
     out, _ = proc.communicate(req, timeout=120)
     lines = [json.loads(x[len(bv.MARK) :]) for x in out.splitlines() if x.startswith(bv.MARK)]
     assert lines[0] == {"ready": True}
     assert [len(o) for o in lines[1]["outputs"]] == [4, 4]
     assert 0 < lines[1]["first"] < lines[1]["seconds"]  # first tokens, then 3 decode steps
+    assert lines[2]["outputs"] == lines[1]["outputs"] and lines[2]["first"] is None
+    assert lines[2]["seconds"] > 0
 
 
 def test_summary_ratios_and_table():
