@@ -197,10 +197,19 @@ class Engine:
     def read_sync(self, session: str, local_addr: int, remote_addr: int, length: int) -> bool:
         """Blocking read of ``length`` bytes from a peer's registered memory (small reads off
         the control thread: the session-ownership proof)."""
+        return self._sync("read", session, local_addr, remote_addr, length)
+
+    def write_sync(self, session: str, local_addr: int, remote_addr: int, length: int) -> bool:
+        """Blocking write of ``length`` bytes into a peer's registered memory (one TP rank's
+        staged chunk, :mod:`.shards`)."""
+        return self._sync("write", session, local_addr, remote_addr, length)
+
+    def _sync(self, op: str, session: str, local: int, remote: int, length: int) -> bool:
         try:
-            return self._te.transfer_sync_read(session, local_addr, remote_addr, length) == 0
+            fn = getattr(self._te, f"transfer_sync_{op}")
+            return fn(session, local, remote, length) == 0
         except Exception as e:
-            log.warning("read from %s raised %s: %s", session, type(e).__name__, e)
+            log.warning("%s with %s raised %s: %s", op, session, type(e).__name__, e)
             return False
 
     # ---- transfers ---------------------------------------------------------------------------

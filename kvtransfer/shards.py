@@ -14,10 +14,8 @@ Not yet wired into the control plane (Register / Want / Grant / Staged carry one
 
 from __future__ import annotations
 
-import threading
-
 from .engine import Engine
-from .layout import EntryLayout, ShardPiece, Transfer, group_units, staging_rows
+from .layout import EntryLayout, ShardPiece, group_units, staging_rows
 from .staging import StagingArea
 
 
@@ -46,22 +44,14 @@ class RankShards:
         return self.staging.slot_addr(slot)
 
     def send(self, piece: ShardPiece, pages: list[int], layers: range, chunk: tuple[int, int],
-             slot: int, session: str, remote_addr: int, timeout_s: float = 30.0):  # fmt: skip
+             slot: int, session: str, remote_addr: int) -> bool:  # fmt: skip
         """Gather ``chunk`` of ``piece`` (this rank is its source) from ``pages`` into local
-        ``slot`` and write it to ``remote_addr`` of ``session``; True once it landed (False: the
-        write failed or did not end in ``timeout_s``)."""
+        ``slot`` and write it to ``remote_addr`` of ``session``; True once it landed."""
         lay = self.layouts[piece.role]
         rows = staging_rows(lay, pages, layers, *chunk)
         self.staging.gather(piece.role, rows, slot, heads=(piece.src_off, piece.heads))
         nbytes = chunk[1] * piece.unit_bytes(lay)
-        done, result = threading.Event(), []
-
-        def landed(ok: bool) -> None:
-            result.append(ok)
-            done.set()
-
-        self.engine.submit(session, [Transfer(self.slot_addr(slot), remote_addr, nbytes)], landed)
-        return done.wait(timeout_s) and result[0]
+        return self.engine.write_sync(session, self.slot_addr(slot), remote_addr, nbytes)
 
     def receive(self, piece: ShardPiece, pages: list[int], layers: range,
                 chunk: tuple[int, int], slot: int) -> None:  # fmt: skip
