@@ -9,7 +9,7 @@ registered slots and writes the slot with ONE Mooncake write into a decode rank'
 page list, into the piece's heads only (:meth:`RankShards.receive`). Every rank has its own
 Mooncake engine and staging area (its pool shard lives in its own process or GPU).
 
-Not yet wired into the control plane (Register / Want / Grant / Staged carry one rank today).
+In a TP stage, ranks 1..N-1 do this through their :mod:`.rank_agent`.
 """
 
 from __future__ import annotations
@@ -43,14 +43,20 @@ class RankShards:
     def slot_addr(self, slot: int) -> int:
         return self.staging.slot_addr(slot)
 
-    def send(self, piece: ShardPiece, pages: list[int], layers: range, chunk: tuple[int, int],
-             slot: int, session: str, remote_addr: int) -> bool:  # fmt: skip
+    def gather(self, piece: ShardPiece, pages: list[int], layers: range,
+               chunk: tuple[int, int], slot: int) -> int:  # fmt: skip
         """Gather ``chunk`` of ``piece`` (this rank is its source) from ``pages`` into local
-        ``slot`` and write it to ``remote_addr`` of ``session``; True once it landed."""
+        ``slot``; returns its bytes."""
         lay = self.layouts[piece.role]
         rows = staging_rows(lay, pages, layers, *chunk)
         self.staging.gather(piece.role, rows, slot, heads=(piece.src_off, piece.heads))
-        nbytes = chunk[1] * piece.unit_bytes(lay)
+        return chunk[1] * piece.unit_bytes(lay)
+
+    def send(self, piece: ShardPiece, pages: list[int], layers: range, chunk: tuple[int, int],
+             slot: int, session: str, remote_addr: int) -> bool:  # fmt: skip
+        """:meth:`gather`, then write the slot to ``remote_addr`` of ``session``; True once it
+        landed."""
+        nbytes = self.gather(piece, pages, layers, chunk, slot)
         return self.engine.write_sync(session, self.slot_addr(slot), remote_addr, nbytes)
 
     def receive(self, piece: ShardPiece, pages: list[int], layers: range,

@@ -18,8 +18,8 @@ from .tp_worker import ERROR, WorkerSpec, worker_main
 
 
 class WorkerHandle:
-    def __init__(self, rank: int, proc, conn: Connection):
-        self.rank, self.proc, self.conn = rank, proc, conn
+    def __init__(self, rank: int, proc, conn: Connection, kv_conn: Connection):
+        self.rank, self.proc, self.conn, self.kv_conn = rank, proc, conn, kv_conn
 
     def death(self, grace_s: float = 1.0) -> str | None:
         """Why the worker is gone, or None while it runs (waits up to ``grace_s`` for a dying
@@ -74,6 +74,7 @@ def stop_workers(workers: list[WorkerHandle], grace_s: float) -> None:
             w.proc.kill()
             w.proc.join()
         w.conn.close()
+        w.kv_conn.close()
 
 
 def spawn_worker(spec: WorkerSpec) -> WorkerHandle:
@@ -81,9 +82,14 @@ def spawn_worker(spec: WorkerSpec) -> WorkerHandle:
     zmq / Mooncake threads) with a pipe to it; daemonic, so it cannot outlive a clean exit."""
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
+    kv_conn, kv_child = ctx.Pipe()  # the rank's KV agent (kvtransfer.rank_agent), on demand
     proc = ctx.Process(
-        target=worker_main, args=(spec, child), name=f"pd-tp-rank{spec.rank}", daemon=True
+        target=worker_main,
+        args=(spec, child, kv_child),
+        name=f"pd-tp-rank{spec.rank}",
+        daemon=True,
     )
     proc.start()
     child.close()
-    return WorkerHandle(spec.rank, proc, conn)
+    kv_child.close()
+    return WorkerHandle(spec.rank, proc, conn, kv_conn)

@@ -251,6 +251,26 @@ class TPModelRunner(ShardRunner):
             _raise_error_answer(answers)
             return [pool.layout] + [replace(pool.layout, **decode_layout(a)) for a in answers]
 
+    def kv_agents(self, pools: dict[str, KVPool], config, slots: int, slot_bytes: int) -> list:
+        """Start ranks 1..N-1's KV agents (:mod:`kvtransfer.rank_agent`) over their shards of
+        ``pools`` (role -> a pool made here): each its own Mooncake engine (``config``, a
+        ``TransferConfig``) and ``slots`` staging slots. Their clients, in rank order."""
+        from kvtransfer.rank_agent import AgentClient
+
+        with self._lock:
+            self._check_alive()
+            ids = {role: self._pool_id(p) for role, p in pools.items()}
+        clients: list[AgentClient] = []
+        try:
+            for w in self.workers:
+                clients.append(AgentClient(w.kv_conn, w.rank))
+                clients[-1].start(config, ids, slots, slot_bytes, self.load_timeout_s)
+        except BaseException:
+            for c in clients:
+                c.close()
+            raise
+        return clients
+
     def forward(
         self, pool: KVPool, seqs: list[SeqInput], last_only: bool = False
     ) -> list[torch.Tensor]:

@@ -56,8 +56,9 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
 
 
-def worker_main(spec: WorkerSpec, conn: Connection) -> None:
-    """Entry point of a worker process (multiprocessing spawn target)."""
+def worker_main(spec: WorkerSpec, conn: Connection, kv_conn: Connection | None = None) -> None:
+    """Entry point of a worker process (multiprocessing spawn target). ``kv_conn``: the pipe
+    of this rank's KV agent (:mod:`kvtransfer.rank_agent`), started when rank 0 asks."""
     _die_with_parent()
     import torch
 
@@ -88,18 +89,35 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     except Exception as e:  # report, then exit: rank 0 raises it at load
         conn.send_bytes(ERROR + f"{type(e).__name__}: {e}".encode())
         sys.exit(1)
+    pools: dict = {}
+    if kv_conn is not None:
+        threading.Thread(target=_kv_agent, args=(kv_conn, pools), name="kv-agent",
+                         daemon=True).start()  # fmt: skip
     try:
-        serve(runner, conn)
+        serve(runner, conn, pools)
     finally:
         group.shutdown()
 
 
-def serve(runner, conn: Connection) -> None:
+def _kv_agent(kv_conn: Connection, pools: dict) -> None:
+    """This rank's KV agent over the pools rank 0 names (by pool id)."""
+    from kvtransfer.rank_agent import serve_start
+
+    def pools_of(ids: dict[str, int]):
+        missing = [i for i in ids.values() if i not in pools]
+        if missing:
+            raise ValueError(f"no pool {missing[0]} on this rank")
+        got = {role: pools[i] for role, i in ids.items()}
+        return ({r: p.tensor for r, p in got.items()}, {r: p.layout for r, p in got.items()})
+
+    serve_start(kv_conn, pools_of)
+
+
+def serve(runner, conn: Connection, pools: dict) -> None:
     """Run rank 0's commands until STOP or EOF; a failed forward ends the process (exit 1)."""
     from .runner import SeqInput
     from .tp_wire import DROP_POOL, FORWARD, LAYOUT, MAKE_POOL, PREFILL, STOP, decode, encode_layout
 
-    pools = {}
     while True:
         try:
             cmd = decode(conn.recv_bytes())

@@ -53,6 +53,7 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 
 import numpy as np  # noqa: E402
 from transfer_report import headline, table  # noqa: E402
+from transfer_tp import TP_LAYOUTS, bench_tp_cell, tp_table  # noqa: E402
 from ttft_lib import netns  # noqa: E402
 
 LAYOUTS = {
@@ -345,10 +346,21 @@ def main() -> None:
     ap.add_argument(
         "--checksum", action="store_true", help="kv_checksum on; time the CRC32C (see above)"
     )
-    args = ap.parse_args()
+    ap.add_argument(
+        "--tp",
+        nargs="+",
+        metavar="P:D",
+        default=None,
+        help="heterogeneous TP rows instead (prefill TP : decode TP), e.g. 2:1 1:2",
+    )
+    ap.add_argument("--tp-layouts", nargs="+", default=list(TP_LAYOUTS), choices=list(TP_LAYOUTS))
+    args = ap.parse_args()  # fmt: skip
     if args.link_gbit is not None and not netns.in_netns():
         sys.exit(netns.reexec_in_netns(args.link_gbit, args.link_burst, args.link_latency))
     link = netns.describe(args.link_gbit, args.link_burst, args.link_latency)
+    if args.tp:
+        tp_main(args, link)
+        return
     cells = [bench_cell(n, p, args) for n in args.layouts for p in args.page_sizes]
     out = {**headline(cells, args.headline_page), "link": link, "cells": cells}
     out["command"] = netns.shell_join(["scripts/bench/bench_transfer.py", *sys.argv[1:]])
@@ -366,6 +378,16 @@ def main() -> None:
                 f"{c['layout']} page {c['page_size']}: checksum per side"
                 + "".join(f" {m} {ms[m]:.1f} ms ({ratio.get(m, 0):.1%} of transfer)" for m in ms)
             )
+
+
+def tp_main(args, link: dict) -> None:
+    """The heterogeneous-TP rows (transfer_tp.py): one per layout, TP pair and page size."""
+    rows = [bench_tp_cell(n, spec, p, args)
+            for n in args.tp_layouts for spec in args.tp for p in args.page_sizes]  # fmt: skip
+    out = {"tp_rows": rows, "min_link_ratio": min(r["link_ratio"] for r in rows), "link": link}
+    out["command"] = netns.shell_join(["scripts/bench/bench_transfer.py", *sys.argv[1:]])
+    out["load_avg"] = os.getloadavg()
+    print(json.dumps(out) if args.json else tp_table(rows))
 
 
 if __name__ == "__main__":
