@@ -205,10 +205,16 @@ class Transfer:
     length: int
 
 
+RANK_FIELDS = ("kv_heads", "head_start")  # a TP rank's head range: paired by shard_pieces
+
+
 def check_compatible(local: EntryLayout, remote_signature: dict) -> str | None:
-    """None when compatible, else a message naming the first differing field."""
+    """None when compatible, else a message naming the first differing field. A TP rank's head
+    range (:data:`RANK_FIELDS`) is not compared: :func:`shard_pieces` pairs the ranks."""
     mine = local.signature()
     for key, value in mine.items():
+        if key in RANK_FIELDS:
+            continue
         theirs = remote_signature.get(key)
         if theirs != value:
             return f"entry {local.role}: {key} differs (local {value!r}, remote {theirs!r})"

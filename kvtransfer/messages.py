@@ -28,6 +28,11 @@ Version history:
       read (another protocol version), which decode takes as a hint only (see
       :func:`peek_refusal`). Its shape and tag are frozen across versions. Complete carries
       ``checksums`` (entry -> CRC32C per layer) when ``kv_checksum`` is on (checksum.py).
+  6 — tensor parallelism: Register lists decode's ranks 1..N-1 (``ranks``: each rank's session,
+      proof, staging region and KV head range per entry; rank 0 is the Register itself, its
+      head range in each entry's signature); Want and Grant name the decode rank whose slots
+      they are about; Staged names that rank and the head range (``head_off``, ``heads``) of
+      its shard the chunk carries (0 heads: whole rows).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import msgspec
 
 from .identity import Fingerprint
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 Scalar = int | float | str
 ExtraValue = int | float | str | list[Scalar]
@@ -56,6 +61,20 @@ class EntrySpec(msgspec.Struct, frozen=True):
     pages: list[int]  # destination page ids, position i receives prefill's i-th page
     base_addr: int  # decode's buffer address of this entry
     num_pages: int  # pages in decode's pool for this entry
+
+
+class RankDest(msgspec.Struct, frozen=True):
+    """One more decode rank of a tensor-parallel decode: its own Mooncake session (with its
+    proof), its staging region, and the KV heads ``[first, first + count]`` of each entry's
+    total it holds (role -> [first, count]; an MLA entry: [0, 1], the whole latent)."""
+
+    session_id: str
+    proof_addr: int
+    proof: bytes
+    staging_addr: int
+    staging_slots: int
+    staging_slot_bytes: int
+    heads: dict[str, list[int]]
 
 
 class Register(msgspec.Struct, tag="register", frozen=True):
@@ -75,6 +94,8 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     staging_slot_bytes: int = 0
     # decode's deployment identity (kvtransfer/identity.py); prefill refuses a different one
     fingerprint: Fingerprint | None = None
+    # decode ranks 1..N-1 of a tensor-parallel decode (rank 0 is this Register's own fields)
+    ranks: list[RankDest] = []
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):
@@ -126,6 +147,7 @@ class Want(msgspec.Struct, tag="want", frozen=True):
 
     room: int
     slots: int
+    rank: int = 0  # the decode rank whose slots are wanted
 
 
 class Grant(msgspec.Struct, tag="grant", frozen=True):
@@ -134,6 +156,7 @@ class Grant(msgspec.Struct, tag="grant", frozen=True):
 
     room: int
     slot: int
+    rank: int = 0  # the decode rank the slot is on
 
 
 class Staged(msgspec.Struct, tag="staged", frozen=True):
@@ -147,6 +170,9 @@ class Staged(msgspec.Struct, tag="staged", frozen=True):
     layer_stop: int
     start: int
     count: int
+    rank: int = 0  # the decode rank whose slot it landed in
+    head_off: int = 0  # heads [head_off, head_off + heads) of that rank's shard; 0 heads: all
+    heads: int = 0
 
 
 class FirstToken(msgspec.Struct, tag="first_token", frozen=True):

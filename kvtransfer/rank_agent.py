@@ -14,9 +14,9 @@ rank's part of a transfer only:
   the room's pages.
 
 Rank 0 holds an :class:`AgentClient` per rank: commands carry a sequence number and every one
-is answered (:class:`Done`) exactly once, its callback run on the client's reader thread. The
-commands are msgpack structs (no pickle). An agent that dies or whose pipe closes fails every
-command still waiting, naming the rank.
+is answered (:class:`Done`) exactly once, its callback run on the client's reader thread.
+Commands are msgpack structs, never Python objects. An agent that dies or whose pipe closes
+fails every command still waiting, naming the rank.
 """
 
 from __future__ import annotations
@@ -101,6 +101,9 @@ class Done(msgspec.Struct, tag="done", frozen=True):
 
 
 Command = Start | Send | Scatter | Info | Stop
+# the TransferConfig fields an agent's Mooncake engine uses
+ENGINE_FIELDS = ("host", "protocol", "rdma_device", "num_workers", "max_batch_entries",
+                 "max_inflight_entries")  # fmt: skip
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Command)
 _done = msgspec.msgpack.Decoder(Done)
@@ -181,10 +184,11 @@ class RankAgent:
                 pass  # rank 0 is gone: nobody to tell
 
 
-def serve_start(conn: Connection, pools_of: Callable[[dict[str, int]], tuple[dict, dict]]):
+def serve_start(conn: Connection, pools_of: Callable[[dict[str, int]], tuple[dict, dict]],
+                on_start: Callable[[RankAgent], None] | None = None) -> None:  # fmt: skip
     """An agent's thread body in a rank process: wait for :class:`Start` on ``conn``, build the
-    agent over ``pools_of(start.pools)`` (tensors, layouts) and serve. A failed start is
-    answered (seq 0) and the thread waits for the next Start."""
+    agent over ``pools_of(start.pools)`` (tensors, layouts) and serve (``on_start(agent)``
+    first, if given). A failed start is answered (seq 0) and the thread waits for the next."""
     while True:
         try:
             cmd = _dec.decode(conn.recv_bytes())
@@ -201,6 +205,8 @@ def serve_start(conn: Connection, pools_of: Callable[[dict[str, int]], tuple[dic
         except Exception as e:
             conn.send_bytes(_enc.encode(Done(0, False, f"{type(e).__name__}: {e}")))
             continue
+        if on_start is not None:
+            on_start(agent)
         conn.send_bytes(_enc.encode(Done(0, True, info=agent.info())))
         agent.serve(conn)
         return
@@ -225,7 +231,7 @@ class AgentClient:
     def start(self, config: TransferConfig, pools: dict[str, int], slots: int, slot_bytes: int,
               timeout_s: float) -> AgentInfo:  # fmt: skip
         """Open the agent (its engine, slots and token); AgentError naming the rank if not."""
-        fields = {k: getattr(config, k) for k in config.__dataclass_fields__}
+        fields = {k: getattr(config, k) for k in ENGINE_FIELDS}  # no secret: no control plane
         self.conn.send_bytes(_enc.encode(Start(fields, pools, slots, slot_bytes)))
         if not self.conn.poll(timeout_s):
             raise AgentError(f"tensor-parallel rank {self.rank}: KV agent did not start within"

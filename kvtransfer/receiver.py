@@ -73,14 +73,13 @@ class KVReceiver(ReceiverChecks, ReceiverStaging, ControlLoop):
 
     name = "kv-receiver"
 
-    def __init__(
-        self, config: TransferConfig, layouts: dict[str, EntryLayout], tensors: dict | None = None
-    ):
+    def __init__(self, config: TransferConfig, layouts: dict[str, EntryLayout],
+                 tensors: dict | None = None, agents: list | None = None):  # fmt: skip
         super().__init__(config)
         self.open_engine(layouts)
         self.keep_tensors(tensors)
         self.faults = Faults.from_env()  # flip=P: corrupt landed KV before kv_checksum checks
-        self.init_staging(tensors)
+        self.init_staging(tensors, agents)  # agents: a TP decode's ranks 1..N-1
         self.session_id = self.engine.session_id
         self.token = SessionToken(self.engine)  # proves to prefill that we own this session
         self._peers: dict[str, _Peer] = {}
@@ -131,6 +130,7 @@ class KVReceiver(ReceiverChecks, ReceiverStaging, ControlLoop):
             self.token.token,
             **self.staging_fields(),
             fingerprint=self.fingerprint,
+            ranks=self.rank_dests(),
         )
         self.call_sync(self._register, reg, addrs, on_release, on_fail, on_first)
 

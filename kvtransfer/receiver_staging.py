@@ -8,33 +8,48 @@ A Staged is served only for a slot lent to that room and not yet written; its bo
 checked against the slot, the entry and the room's page list, and decode scatters it into the
 pages IT registered for that room (:func:`~kvtransfer.layout.staging_rows` with its own page
 list): a chunk cannot land outside a claimed page. Anything else fails that room only.
+
+Tensor parallel decode: ranks 1..N-1 have staging slots of their own (their agents,
+:mod:`.rank_agent`), declared in the Register (``ranks``); slots are lent per rank (Want and
+Grant name it) and a Staged names its rank and the heads of that rank's shard it carries
+(checked against the rank's head count). Rank k's chunk is scattered by its agent; the control
+thread waits for that (a memory copy of one slot) so a Complete is never read before every
+chunk before it was scattered.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 
 from . import messages as m
-from .layout import staging_rows
+from .layout import EntryLayout, staging_rows
+from .rank_agent import Chunk
 from .staging import StagingArea
 
 log = logging.getLogger(__name__)
+AGENT_SCATTER_TIMEOUT_S = 30.0
 
 
 class ReceiverStaging:
-    def init_staging(self, tensors: dict | None) -> None:
+    def init_staging(self, tensors: dict | None, agents: list | None = None) -> None:
         cfg = self.config
         self.staging: StagingArea | None = None
+        self.agents = list(agents or [])
+        self._rank_layouts: list[dict[str, EntryLayout]] = [a.layouts() for a in self.agents]
+        self._slot_free: dict[int, deque] = {}  # rank -> its free slots
         if tensors and cfg.staging_slot_bytes:
             self.staging = StagingArea(
                 tensors, self.layouts, cfg.staging_recv_slots, cfg.staging_slot_bytes
             )
             self.engine.register(self.staging.addr, self.staging.nbytes)
-        self._slot_free: deque[int] = deque(range(cfg.staging_recv_slots))
-        self._slot_owner: dict[int, int] = {}  # slot -> room
-        self._slot_lent: set[int] = set()  # granted, not yet reported Staged
-        self._wanting: dict[int, int] = {}  # room -> slots still to lend (FIFO order)
+            self._slot_free[0] = deque(range(cfg.staging_recv_slots))
+        for k, a in enumerate(self.agents, 1):
+            self._slot_free[k] = deque(range(len(a.info.slot_addrs)))
+        self._slot_owner: dict[tuple[int, int], int] = {}  # (rank, slot) -> room
+        self._slot_lent: set[tuple[int, int]] = set()  # granted, not yet reported Staged
+        self._wanting: dict[tuple[int, int], int] = {}  # (room, rank) -> slots still to lend
 
     def staging_fields(self) -> dict:
         st = self.staging
@@ -42,68 +57,114 @@ class ReceiverStaging:
             return {}
         return dict(staging_addr=st.addr, staging_slots=st.slots, staging_slot_bytes=st.slot_bytes)
 
+    def rank_dests(self) -> list[m.RankDest]:
+        """Decode ranks 1..N-1 as the Register declares them."""
+        out = []
+        for a, lays in zip(self.agents, self._rank_layouts, strict=True):
+            i = a.info
+            heads = {role: [lay.head_start, lay.kv_heads] for role, lay in lays.items()}
+            out.append(m.RankDest(i.session_id, i.proof_addr, i.proof, i.slot_addrs[0],
+                                  len(i.slot_addrs), i.slot_bytes, heads))  # fmt: skip
+        return out
+
     def on_want(self, r, msg: m.Want) -> None:
-        if self.staging is None or r.room in self._wanting:
-            self.drop("unexpected", f"want for room {r.room}")
+        key = (r.room, msg.rank)
+        if msg.rank not in self._slot_free or key in self._wanting:
+            self.drop("unexpected", f"want for room {r.room} rank {msg.rank}")
             return
-        held = sum(1 for room in self._slot_owner.values() if room == r.room)
+        held = sum(1 for k, room in self._slot_owner.items() if (room, k[0]) == key)
         n = min(max(0, msg.slots), self.config.staging_grants_per_room) - held
         if n > 0:
-            self._wanting[r.room] = n
+            self._wanting[key] = n
             self._lend()
 
     def _lend(self) -> None:
-        while self._slot_free and self._wanting:
-            room = next(iter(self._wanting))
+        for key in list(self._wanting):
+            room, rank = key
             r = self.rooms.get(room)
             if r is None or r.status.ended or r.claimed_by is None:
-                del self._wanting[room]
+                del self._wanting[key]
                 continue
-            slot = self._slot_free.popleft()
-            self._slot_owner[slot] = room
-            self._grant(r, slot)
-            self._wanting[room] -= 1
-            if not self._wanting[room]:
-                del self._wanting[room]
+            free = self._slot_free[rank]
+            while free and self._wanting.get(key):
+                slot = free.popleft()
+                self._slot_owner[rank, slot] = room
+                self._grant(r, rank, slot)
+                self._wanting[key] -= 1
+            if not self._wanting[key]:
+                del self._wanting[key]
 
-    def _grant(self, r, slot: int) -> None:
-        self._slot_lent.add(slot)
-        self.send(self._peers[r.claimed_by].sock, m.Grant(r.room, slot))
+    def _grant(self, r, rank: int, slot: int) -> None:
+        self._slot_lent.add((rank, slot))
+        self.send(self._peers[r.claimed_by].sock, m.Grant(r.room, slot, rank))
 
     def on_staged(self, r, msg: m.Staged) -> None:
         err = self._check_staged(r, msg)
+        if not err:
+            try:
+                self._scatter(r, msg)
+            except Exception as e:
+                err = str(e)
         if err:
             self._fail(r.room, f"bad staged chunk: {err}", f"bad staged chunk: {err}")
             return
-        lay = self.layouts[msg.role]
+        self._slot_lent.discard((msg.rank, msg.slot))
+        self._grant(r, msg.rank, msg.slot)  # the slot stays the room's: prefill may fill it again
+
+    def _scatter(self, r, msg: m.Staged) -> None:
         layers = range(msg.layer_start, msg.layer_stop)
-        try:
-            rows = staging_rows(lay, r.pages[msg.role], layers, msg.start, msg.count)
-            self.staging.scatter(msg.role, rows, msg.slot)
-        except Exception as e:
-            self._fail(r.room, f"bad staged chunk: {e}", f"bad staged chunk: {e}")
+        heads = (msg.head_off, msg.heads) if msg.heads else None
+        if msg.rank == 0:
+            rows = staging_rows(self.layouts[msg.role], r.pages[msg.role], layers, msg.start,
+                                msg.count)  # fmt: skip
+            self.staging.scatter(msg.role, rows, msg.slot, heads)
             return
-        self._slot_lent.discard(msg.slot)
-        self._grant(r, msg.slot)  # the slot stays the room's: prefill may fill it again
+        lay = self._rank_layouts[msg.rank - 1][msg.role]
+        off, n = heads or (0, lay.kv_heads)
+        chunk = Chunk((msg.role, 0, msg.rank, 0, n, 0, off), r.pages[msg.role], msg.layer_start,
+                      msg.layer_stop, msg.start, msg.count)  # fmt: skip
+        done, got = threading.Event(), []
+
+        def answered(ok: bool, error: str) -> None:  # the agent client's reader thread
+            got.append("" if ok else error or "failed")
+            done.set()
+
+        self.agents[msg.rank - 1].scatter(chunk, msg.slot, answered)
+        if not done.wait(AGENT_SCATTER_TIMEOUT_S):
+            raise TimeoutError(f"rank {msg.rank} did not scatter in {AGENT_SCATTER_TIMEOUT_S:g} s")
+        if got[0]:
+            raise RuntimeError(f"rank {msg.rank}: {got[0]}")
 
     def _check_staged(self, r, msg: m.Staged) -> str:
-        if self.staging is None or self._slot_owner.get(msg.slot) != r.room:
-            return f"slot {msg.slot} is not lent to this room"
-        if msg.slot not in self._slot_lent:
+        key = (msg.rank, msg.slot)
+        if self._slot_owner.get(key) != r.room:
+            return f"slot {msg.slot} of rank {msg.rank} is not lent to this room"
+        if key not in self._slot_lent:
             return f"slot {msg.slot} was not granted again since its last chunk"
         if msg.role not in r.roles:
             return f"entry {msg.role!r} not registered for this room"
-        if msg.count < 1 or msg.count > self.staging.fits(msg.role):
+        if msg.rank == 0:
+            lay, size = self.layouts[msg.role], self.staging.slot_bytes
+        else:
+            lay = self._rank_layouts[msg.rank - 1][msg.role]
+            size = self.agents[msg.rank - 1].info.slot_bytes
+        end = msg.head_off + msg.heads
+        if msg.heads < 0 or (msg.heads and not 0 <= msg.head_off < end <= lay.kv_heads):
+            return f"heads [{msg.head_off}, {end}) outside the rank's {lay.kv_heads}"
+        heads = msg.heads or lay.kv_heads
+        unit = lay.page_size * heads * lay.head_dim * lay.elem_size
+        if msg.count < 1 or msg.count * unit > size:
             return f"{msg.count} pages do not fit one slot"
         return ""
 
     def staging_release(self, room: int) -> None:
         """The room's pages are released: its slots are too (same write fence)."""
-        self._wanting.pop(room, None)
-        mine = [s for s, owner in self._slot_owner.items() if owner == room]
-        for s in mine:
-            del self._slot_owner[s]
-            self._slot_lent.discard(s)
-            self._slot_free.append(s)
+        for key in [k for k in self._wanting if k[0] == room]:
+            del self._wanting[key]
+        mine = [k for k, owner in self._slot_owner.items() if owner == room]
+        for key in mine:
+            del self._slot_owner[key]
+            self._slot_lent.discard(key)
+            self._slot_free[key[0]].append(key[1])
         if mine:
             self._lend()

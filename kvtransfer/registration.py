@@ -16,15 +16,18 @@ and for the peer (:class:`PeerBook`):
 * the connection proved it owns that session (:mod:`.proof`) before any of its registrations is
   served; a session then belongs to that one connection, and keeps the pool addresses (per
   entry) its first Register declared: another connection naming the same session is refused.
+  A tensor-parallel decode's other ranks (``Register.ranks``) are held to the same rules: each
+  rank's session on the registering host, proven, and the same in every later Register;
+* the ranks on both sides cover every KV head of every entry exactly (:func:`check_ranks`).
 """
 
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import messages as m
-from .layout import EntryLayout, check_compatible
+from .layout import EntryLayout, check_compatible, shard_pieces
 
 MAX_STAGING_SLOTS = 1024
 MAX_SLOT_BYTES = 1 << 30
@@ -87,6 +90,35 @@ def check_entries(
     return dst
 
 
+def check_ranks(reg: m.Register, dst: dict[str, EntryLayout],
+                prefill: dict[str, list[EntryLayout]]) -> dict[str, list]:  # fmt: skip
+    """Which prefill rank sends which heads to which decode rank, per entry of ``dst``
+    (:func:`~kvtransfer.layout.shard_pieces`; ``prefill``: role -> this stage's rank shards),
+    or RegistrationError: decode's ranks and ours must cover every KV head exactly, and more
+    decode ranks than rank 0 need staging regions."""
+    for k, rank in enumerate(reg.ranks, 1):
+        if not (0 < rank.staging_slots <= MAX_STAGING_SLOTS
+                and 0 < rank.staging_slot_bytes <= MAX_SLOT_BYTES and rank.staging_addr > 0):
+            raise RegistrationError(f"decode rank {k}: no staging region")  # fmt: skip
+        if set(rank.heads) != set(dst):
+            raise RegistrationError(f"decode rank {k}: head ranges for {sorted(rank.heads)},"
+                                    f" entries {sorted(dst)}")  # fmt: skip
+    pieces = {}
+    for role, lay in dst.items():
+        ranks = [lay]
+        for k, rank in enumerate(reg.ranks, 1):
+            first, count = (list(rank.heads[role]) + [None, None])[:2]
+            try:
+                ranks.append(replace(lay, head_start=first, kv_heads=count, base_addr=0))
+            except (TypeError, ValueError) as e:
+                raise RegistrationError(f"decode rank {k}: entry {role}: {e}") from None
+        try:
+            pieces[role] = shard_pieces(prefill[role], ranks)
+        except ValueError as e:
+            raise RegistrationError(f"incompatible tensor parallelism: {e}") from None
+    return pieces
+
+
 def _check_pages(entry: m.EntrySpec, page_size: int, num_tokens: int) -> None:
     need = -(-num_tokens // page_size)
     if len(entry.pages) != need:
@@ -117,6 +149,8 @@ class Peer:
     held: list[m.Register] = field(default_factory=list)  # waiting for the session proof
     proving: bool = False
     refused: str = ""  # the proof failed: every registration of this connection is refused
+    ranks: tuple | None = None  # decode ranks 1..N-1: (session, staging region) each
+    proofs_left: int = 0  # session proofs still under way
 
 
 class PeerBook:
@@ -139,15 +173,18 @@ class PeerBook:
 
     def check(self, ident: bytes, peer_address: str | None, reg: m.Register) -> None:
         """RegistrationError unless ``reg`` is consistent with what ``ident`` proved before."""
-        host = session_host(reg.session_id)
-        if peer_address and _is_ip(host) and ipaddress.ip_address(host) != _ip(peer_address):
-            raise RegistrationError(
-                f"session {reg.session_id} is not on the registering host {peer_address}"
-            )
-        owner = self._owner.get(reg.session_id)
-        if owner is not None and owner != ident:
-            raise RegistrationError(f"session {reg.session_id} belongs to another connection")
+        for session in sessions(reg):
+            host = session_host(session)
+            if peer_address and _is_ip(host) and ipaddress.ip_address(host) != _ip(peer_address):
+                raise RegistrationError(
+                    f"session {session} is not on the registering host {peer_address}"
+                )
+            owner = self._owner.get(session)
+            if owner is not None and owner != ident:
+                raise RegistrationError(f"session {session} belongs to another connection")
         peer = self.peer(ident)
+        if peer.ranks is not None and peer.ranks != _ranks(reg):
+            raise RegistrationError("decode ranks (sessions or staging regions) changed")
         if peer.session not in (None, reg.session_id):
             raise RegistrationError(f"this connection proved session {peer.session}, not this one")
         for e in reg.entries:
@@ -162,7 +199,9 @@ class PeerBook:
         """``ident`` proved it owns ``reg``'s session: it is that connection's from now on."""
         peer = self.peer(ident)
         peer.session = reg.session_id
-        self._owner[reg.session_id] = ident
+        for session in sessions(reg):
+            self._owner[session] = ident
+        peer.ranks = _ranks(reg)
         for e in reg.entries:
             peer.pools.setdefault(e.role, (e.base_addr, e.num_pages))
         peer.pools.setdefault(STAGING, _staging(reg))
@@ -179,6 +218,23 @@ class PeerBook:
         peer = self._peers.get(ident)
         if peer is not None and peer.pending > 0:
             peer.pending -= 1
+
+
+def sessions(reg: m.Register) -> list[str]:
+    """Every Mooncake session ``reg`` names: decode rank 0's, then its other ranks'."""
+    return [reg.session_id] + [r.session_id for r in reg.ranks]
+
+
+def proofs(reg: m.Register) -> list[tuple[str, int, bytes]]:
+    """(session, proof address, token) of every decode rank."""
+    return [(reg.session_id, reg.proof_addr, reg.proof)] + [
+        (r.session_id, r.proof_addr, r.proof) for r in reg.ranks
+    ]
+
+
+def _ranks(reg: m.Register) -> tuple:
+    return tuple((r.session_id, r.staging_addr, r.staging_slots, r.staging_slot_bytes)
+                 for r in reg.ranks)  # fmt: skip
 
 
 def _staging(reg: m.Register) -> tuple[int, int, int]:

@@ -48,17 +48,22 @@ def _register_frame_limit(layouts: dict[str, EntryLayout]) -> int:
 
 class KVSender(SenderStaging, SenderInbox, ControlLoop):
     """``tensors`` (role -> the pool's tensor, optional): enables staged transfers for
-    fragmented page tables (see :mod:`.sender_staging`)."""
+    fragmented page tables (see :mod:`.sender_staging`). ``agents``: a tensor-parallel
+    stage's ranks 1..N-1 (:class:`~.rank_agent.AgentClient`, rank order)."""
 
     name = "kv-sender"
 
     def __init__(
-        self, config: TransferConfig, layouts: dict[str, EntryLayout], tensors: dict | None = None
+        self,
+        config: TransferConfig,
+        layouts: dict[str, EntryLayout],
+        tensors: dict | None = None,
+        agents: list | None = None,
     ):
         super().__init__(config)
         self.open_engine(layouts)
         self.keep_tensors(tensors)
-        self.init_staging(tensors)
+        self.init_staging(tensors, agents)
         self.faults = Faults.from_env()
         if self.faults.active:
             log.warning("kv-sender: FAULT INJECTION active (%s): for tests only", self.faults)
@@ -211,11 +216,12 @@ class KVSender(SenderStaging, SenderInbox, ControlLoop):
         try:
             roles = list(r.src_pages if r.src_pages is not None else self.layouts)
             dst = check_entries(reg, self.layouts, r.num_tokens, roles)
+            pieces = self.stage_pieces(reg, dst)
         except RegistrationError as e:
             r.claim = Claim(ident, reg, {})  # the Fail goes to this registering peer
             self._fail(r.room, str(e), True)
             return
-        r.claim = Claim(ident, reg, dst)
+        r.claim = Claim(ident, reg, dst, pieces)
         if r.src_pages is not None and not self._check_page_counts(r):
             return
         self.send(
@@ -254,7 +260,7 @@ class KVSender(SenderStaging, SenderInbox, ControlLoop):
     def _launch(self, r: SenderRoom, role: str, layers: range, fence=None) -> None:
         fence = self.faults.delayed(fence)
         try:  # staged or direct is decided first: 245,760 copy objects cost ~0.5 s at page 1
-            staged = self.use_staging(r, role)
+            staged = bool(r.claim.pieces) or self.use_staging(r, role)
             transfers = [] if staged else self._transfers(r, role, layers)
         except (ValueError, IndexError) as e:
             self._fail(r.room, f"bad page table: {e}", True)

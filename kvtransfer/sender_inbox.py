@@ -21,7 +21,7 @@ import zmq
 
 from . import messages as m
 from .identity import INCOMPATIBLE, refusal
-from .registration import RegistrationError, check_entries
+from .registration import RegistrationError, check_entries, proofs
 from .state import RoomStatus
 
 MAX_PENDING_REGISTRATIONS = 4096
@@ -123,15 +123,25 @@ class SenderInbox:
             peer.held.append(reg)
             if not peer.proving:
                 peer.proving = True
-                if not self.proofs.check(
-                    ident, reg.session_id, reg.proof_addr, reg.proof, self._proof_verdict
-                ):
-                    self._proven(ident, False, "too many session proofs under way")
+                todo = proofs(reg)  # every decode rank's session (tensor parallel: several)
+                peer.proofs_left = len(todo)
+                for session, addr, token in todo:
+                    if not self.proofs.check(ident, session, addr, token, self._proof_verdict):
+                        self._proven(ident, False, "too many session proofs under way")
+                        return
         else:
             self._serve_register(ident, reg)
 
     def _proof_verdict(self, ident: bytes, ok: bool, why: str) -> None:  # a proof thread
-        self.call(self._proven, ident, ok, why)
+        self.call(self._one_proof, ident, ok, why)
+
+    def _one_proof(self, ident: bytes, ok: bool, why: str) -> None:
+        peer = self.peers.peer(ident)
+        if not peer.proving:
+            return  # already decided (another session's proof failed)
+        peer.proofs_left -= 1
+        if not ok or peer.proofs_left <= 0:
+            self._proven(ident, ok, why)
 
     def _proven(self, ident: bytes, ok: bool, why: str) -> None:
         peer = self.peers.peer(ident)

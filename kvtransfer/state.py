@@ -71,9 +71,15 @@ class Claim:
     ident: bytes  # decode's ROUTER identity: where Ack / Complete / Fail go
     reg: m.Register
     dst: dict[str, EntryLayout]  # decode's layout of each entry (its pool address)
+    # tensor parallel: role -> ShardPieces (None: one rank each side, the plain paths)
+    pieces: dict | None = None
 
     def dst_pages(self, role: str) -> list[int]:
         return next(e.pages for e in self.reg.entries if e.role == role)
+
+    def rank_heads(self, role: str, rank: int) -> int:
+        """How many KV heads of entry ``role`` decode rank ``rank`` holds."""
+        return self.dst[role].kv_heads if rank == 0 else self.reg.ranks[rank - 1].heads[role][1]
 
 
 @dataclass(kw_only=True)

@@ -141,6 +141,7 @@ class TPModelRunner(ShardRunner):
         self.timeout_s, self.load_timeout_s = timeout_s, load_timeout_s
         self._lock = threading.RLock()
         self._broken: str | None = None
+        self._closed = False
         self._pool_ids: weakref.WeakKeyDictionary[KVPool, int] = weakref.WeakKeyDictionary()
         self._dead_pools: list[int] = []  # appended by pool finalizers, sent before a command
         self._next_id = itertools.count(1)
@@ -150,8 +151,17 @@ class TPModelRunner(ShardRunner):
     def worker_pids(self) -> list[int]:
         return [w.proc.pid for w in self.workers]
 
+    def failure(self) -> str | None:
+        """Why this runner can no longer serve (a rank died, a forward failed), or None while
+        it can (or after :meth:`close`); never blocks."""
+        if self._closed:
+            return None
+        dead = [d for d in (w.death(grace_s=0) for w in self.workers) if d]
+        return self._broken or (dead[0] if dead else None)
+
     def close(self) -> None:
         """Stop every worker (idempotent); the runner raises on any later call."""
+        self._closed = True
         self._broken = self._broken or "the tensor-parallel runner is closed"
         self._finalizer()
         self.group.shutdown()

@@ -35,7 +35,6 @@ from collections.abc import Callable
 from kvtransfer import KVReceiver, RoomStatus
 
 from ..runtime.detok import TextState
-from ..runtime.device import resolve_device
 from ..runtime.engine import LLMEngine, StepOutput
 from ..runtime.runner import ModelRunner
 from ..runtime.sequence import check_context
@@ -50,6 +49,7 @@ from .draft import DRAFT, explain_failure, load_stage_draft, make_draft_pool, sp
 from .latency import Observations
 from .params import StageParams
 from .request import StageRequest, first_logprob
+from .tp import close_ranks, load_stage_model, rank_agents
 from .trace import TraceWriter
 
 log = logging.getLogger(__name__)
@@ -65,9 +65,7 @@ COUNTERS = (
 class DecodeWorker(DecodeControl, DecodeFailover):
     def __init__(self, params: StageParams, runner: ModelRunner | None = None, name="decode"):
         self.params = params
-        self.runner = runner or ModelRunner.load(
-            params.model_path, dtype=params.dtype, device=resolve_device(params.device)
-        )
+        self.runner = runner or load_stage_model(params)
         # text is detokenized here, where stop strings end a sequence (None: a checkpoint
         # without a tokenizer, as in some tests: no text, no stop strings)
         self.tok = Tokenizer(params.model_path) if has_tokenizer(params.model_path) else None
@@ -83,10 +81,12 @@ class DecodeWorker(DecodeControl, DecodeFailover):
             spec = DraftSpec(self.draft, self.pools[DRAFT], params.spec_tokens)
             self.engine = SpecEngine(self.runner, self.pool, spec, *size, tokenizer=self.tok)
         cfg = params.transfer_config()
+        self.agents = rank_agents(self.runner, self.pools, cfg, cfg.staging_recv_slots)
         self.receiver = KVReceiver(
             cfg,
             {role: p.layout for role, p in self.pools.items()},
             {role: p.tensor for role, p in self.pools.items()},  # staged transfers
+            self.agents,  # tensor parallel: ranks 1..N-1 receive their own shards
         )
         # clients cancel through this channel too (see backends/stages/cancel.py)
         self.cancel_listener = CancelListener(
@@ -209,6 +209,7 @@ class DecodeWorker(DecodeControl, DecodeFailover):
         self._close_failover()
         self.cancel_listener.close()
         self.receiver.close()
+        close_ranks(self.runner, self.agents)
 
     # ---- registration ------------------------------------------------------------------------
     def _queued(self, room: int) -> bool:

@@ -56,6 +56,9 @@ class StageParams:
         16, PDR, "tokens per KV page; prefill and decode must agree (checked at handshake)"
     )
     num_pages: int = _p(512, PD, "KV pool pages per instance")
+    tensor_parallel_size: int = _p(1, PD, "ranks of the stage's model: rank 0 in the instance,"
+                                   " 1..N-1 worker processes it owns (GPUs: the instance's"
+                                   " device and the next N-1)")  # fmt: skip
     max_batch: int = _p(16, ("decode",), "sequences per continuous-batching step")
     max_context: int = _p(2048, ("preprocess", "decode"), "limit on prompt + `max_tokens`")
     max_tokens_limit: int = _p(
@@ -209,7 +212,8 @@ class StageParams:
             )
         positive = (
             "page_size", "num_pages", "max_batch", "max_context", "max_tokens_limit", "max_queue",
-            "default_max_tokens", "max_prefill_tokens", "prefill_batch_tokens")  # fmt: skip
+            "default_max_tokens", "max_prefill_tokens", "prefill_batch_tokens",
+            "tensor_parallel_size")  # fmt: skip
         for name in (*positive, "draft_layers", "spec_tokens", "failover_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from kvtransfer import KVSender, RoomStatus
 
-from ..runtime.device import record_fence, resolve_device
+from ..runtime.device import record_fence
 from ..runtime.kv_pool import KVPool
 from ..runtime.runner import ModelRunner
 from . import prefill_batch as batch
@@ -43,6 +43,7 @@ from .latency import Observations
 from .params import StageParams
 from .prefill_batch import Groups, RoomGone
 from .request import StageRequest
+from .tp import close_ranks, load_stage_model, rank_agents
 from .trace import TraceWriter
 
 log = logging.getLogger(__name__)
@@ -81,19 +82,20 @@ class PrefillWorker:
         name: str = "prefill",
     ):
         self.params = params
-        self.runner = runner or ModelRunner.load(
-            params.model_path, dtype=params.dtype, device=resolve_device(params.device)
-        )
+        self.runner = runner or load_stage_model(params)
         self.pool: KVPool = self.runner.make_pool(params.num_pages, params.page_size)
         self.draft = load_stage_draft(params, self.runner)  # None: speculative decoding off
         self.draft_pool = make_draft_pool(params, self.draft) if self.draft else None
         self.draft_is_prefix = bool(self.draft) and shares_target_layers(self.draft, self.runner)
         self.policy = params.policy()
         self._batch_tokens = min(params.prefill_batch_tokens, params.max_prefill_tokens)
+        cfg = params.transfer_config(instance_index)
+        self.agents = rank_agents(self.runner, dict(self._pools()), cfg, cfg.staging_slots)
         self.sender = KVSender(
-            params.transfer_config(instance_index),
+            cfg,
             {role: pool.layout for role, pool in self._pools()},
             {role: pool.tensor for role, pool in self._pools()},  # staged transfers
+            self.agents,  # tensor parallel: ranks 1..N-1 send their own shards
         )
         self.bootstrap_addr = self.sender.bootstrap_addr
         self.latency = Observations()  # histograms (backends/stages/latency.py)
@@ -209,6 +211,7 @@ class PrefillWorker:
                 "%s: %d transfers still in flight after %gs; closing", self.name, left, drain_s
             )
         self.sender.close()
+        close_ranks(self.runner, self.agents)
 
     # ---- control thread callbacks --------------------------------------------------------------
     def _registered(self, room: int) -> None:

@@ -1,37 +1,31 @@
 """bench_transfer.py --tp: KV between a prefill and a decode of different TP sizes.
 
-Every rank is its own OS process with its own Mooncake engine, pool shard and staging slots
-(:class:`kvtransfer.shards.RankShards`), as a TP stage's ranks are. For one request the pieces
-come from :func:`kvtransfer.layout.shard_pieces` (which prefill rank sends which heads to which
-decode rank; MLA once per decode rank, from prefill rank 0) and each piece of each layer group
-(:class:`kvtransfer.LayerGroupPolicy`) is cut into slot-sized chunks
-(:func:`kvtransfer.shards.piece_chunks`). A prefill rank gathers a chunk's head slice into a local
-slot while its writer thread writes the previous one (ONE Mooncake write per chunk) into a slot
-that the destination decode rank lent it (two per rank pair); the decode rank scatters the slot
-into its heads of the request's pages and lends the slot back. Timed from the start signal until
-every decode rank scattered its last chunk; every decode shard is then compared byte for byte
-with what it must hold.
+The product's path, rank for rank: prefill rank 0 is a ``KVSender`` in this process, decode rank
+0 a ``KVReceiver`` in a child process, and every other rank its own OS process with its own pool
+shard and KV agent (:mod:`kvtransfer.rank_agent`: own Mooncake engine and staging slots), as a TP
+stage's worker ranks are. Decode registers (protocol 6: every decode rank's session, slots and
+heads), prefill pairs the ranks (:func:`kvtransfer.layout.shard_pieces`: MLA once per decode rank
+from prefill rank 0) and streams each layer group of each piece through slots (one Mooncake write
+per slot-sized chunk, by the rank that holds the heads), the decode rank scatters it into its
+heads. Timed from the first ``send_group`` until prefill's room is Success (Complete goes after
+every write landed and was scattered); every decode shard is then compared byte for byte with
+what it must hold (zero outside the request's pages).
 
 In the same run, ``link``: raw Mooncake moving the same bytes as ONE block per rank pair (all
 pairs at once). ``link_ratio`` = link time / kvtransfer time. ``writes_per_request`` counts the
 Mooncake writes of one request (slot-sized: a few per layer group and rank pair), beside
 ``groups x pairs`` and the copies a per-token, per-head transfer would make
 (``copies_per_token_and_head``).
-
-This drives the rank-shard data path the stages will use; the control plane (Register, Grant,
-Staged) does not carry ranks yet, so the bench's driver plays its part.
 """
 
 from __future__ import annotations
 
 import math
 import multiprocessing as mp
-import queue
 import statistics
 import threading
 import time
-from dataclasses import asdict, astuple
-from multiprocessing.connection import wait
+from dataclasses import asdict
 
 TP_LAYOUTS = {
     # a Llama-3-8B-like GQA target: 8 KV heads split over the ranks
@@ -42,7 +36,6 @@ TP_LAYOUTS = {
         "draft": dict(attn="gqa", num_layers=1, kv_heads=8, head_dim=128),
     },
 }
-SLOTS_PER_PAIR = 2
 
 
 def rank_layouts(name: str, size: int, rank: int, page_size: int, num_pages: int, dtype: str):
@@ -78,115 +71,108 @@ def head_slice(t, lay):
     return t[..., lay.head_start : lay.head_start + lay.kv_heads, :]
 
 
-def rank_main(conn, peers: dict, side: str, layouts_kw: dict, slot_bytes: int, seed: int):
-    """One rank. ``peers``: the other side's rank -> pipe. Commands from the driver on ``conn``."""
+def make_shards(side: str, layouts_kw: dict, seed: int):
+    """(tensors, wholes, layouts) of one rank: prefill's shards hold their heads of the seeded
+    model KV, decode's are zero; ``wholes``: what each shard holds (prefill) / must hold where
+    the request's pages are (decode)."""
     import torch
 
-    from kvtransfer import EntryLayout, TransferConfig
-    from kvtransfer.engine import Engine
-    from kvtransfer.layout import ShardPiece
-    from kvtransfer.shards import RankShards
+    from kvtransfer import EntryLayout
 
-    torch.set_num_threads(1)
-    layouts = {role: EntryLayout(**kw) for role, kw in layouts_kw.items()}
-    tensors, wholes = {}, {}
-    for k, (role, lay) in enumerate(layouts.items()):
+    tensors, wholes, layouts = {}, {}, {}
+    for k, (role, kw) in enumerate(layouts_kw.items()):
+        lay = EntryLayout(**kw)
         whole = head_slice(full_values(lay, seed + k), lay).contiguous()
         t = whole if side == "prefill" else torch.zeros_like(whole)
-        wholes[role] = whole  # decode: what its shard must hold (checks)
-        tensors[role] = t.view(torch.bfloat16)
+        wholes[role], tensors[role] = whole, t.view(torch.bfloat16)
         layouts[role] = lay.with_pool(lay.num_pages, t.data_ptr())
-    engine = Engine(TransferConfig(host="127.0.0.1"))
-    slots = SLOTS_PER_PAIR * max(1, len(peers)) if side == "decode" else SLOTS_PER_PAIR
-    shards = RankShards(engine, tensors, layouts, slots, slot_bytes)
-    for t in tensors.values():  # the pools too, for the raw one-block baseline
-        engine.register(t.data_ptr(), t.numel() * t.element_size())
-    addrs = {role: t.data_ptr() for role, t in tensors.items()}
-    conn.send((engine.session_id, [shards.slot_addr(s) for s in range(slots)], addrs))
+    return tensors, wholes, layouts
+
+
+def bench_commands(conn, tensors: dict, wholes: dict, engine, extra=None) -> None:
+    """The bench's commands to one rank: info, zero, check, link (raw one-block writes), and
+    whatever ``extra(cmd)`` answers (not None); until exit."""
+    import torch
+
     while True:
         cmd = conn.recv()
         if cmd[0] == "exit":
-            engine.close()
             conn.send("bye")
             return
-        if cmd[0] == "zero":
+        out = extra(cmd) if extra is not None else None
+        if out is not None:
+            conn.send(out)
+        elif cmd[0] == "info":
+            conn.send((engine().session_id, {r: t.data_ptr() for r, t in tensors.items()}))
+        elif cmd[0] == "zero":
             for t in tensors.values():
                 t.view(torch.int16).zero_()
             conn.send("ok")
         elif cmd[0] == "check":
             conn.send(check_shard(tensors, wholes, *cmd[1:]))
         elif cmd[0] == "link":
-            conn.send(link_writes(engine, cmd[1]))
-        elif side == "prefill":
-            conn.send(send_tasks(shards, peers, cmd[1], ShardPiece))
-        else:
-            conn.send(receive_tasks(shards, peers, cmd[1], ShardPiece))
+            conn.send(link_writes(engine(), cmd[1]))
 
 
-def send_tasks(shards, peers: dict, tasks: dict, piece_cls) -> int:
-    """Prefill rank: every chunk of ``tasks`` (decode rank -> [(piece, pages, layers, chunk,
-    slot addresses)]) gathered here, written into a slot its decode rank lent. Returns writes."""
-    from kvtransfer.layout import staging_rows
+def rank_main(agent_conn, conn, side: str, layouts_kw: dict, seed: int) -> None:
+    """Rank 1..N-1 of one side: its shard, its KV agent serving rank 0 on ``agent_conn``."""
+    import torch
 
-    order = [(d, i) for i in range(max(map(len, tasks.values()), default=0))
-             for d in tasks if i < len(tasks[d])]  # fmt: skip
-    credits = {d: [] for d in tasks}
-    free_local = queue.Queue()
-    for s in range(SLOTS_PER_PAIR):
-        free_local.put(s)
-    out: queue.Queue = queue.Queue()
-    failed = []
+    from kvtransfer.rank_agent import serve_start
 
-    def writer() -> None:
-        while (job := out.get()) is not None:
-            d, i, local, remote_slot, addr, nbytes, session = job
-            if not shards.engine.write_sync(session, shards.slot_addr(local), addr, nbytes):
-                failed.append((d, i))
-            free_local.put(local)
-            peers[d].send(("landed", i, remote_slot))
+    torch.set_num_threads(1)
+    tensors, wholes, layouts = make_shards(side, layouts_kw, seed)
+    started = threading.Event()
+    holder = {}
 
-    th = threading.Thread(target=writer, daemon=True)
-    th.start()
-    for d, i in order:
-        piece, pages, layers, chunk, session, slot_addrs = tasks[d][i]
-        while not credits[d]:
-            credits[d].append(peers[d].recv())
-        remote = credits[d].pop(0)
-        local = free_local.get()
-        piece = piece_cls(*piece)
-        lay = shards.layouts[piece.role]
-        rows = staging_rows(lay, pages, range(*layers), *chunk)
-        shards.staging.gather(piece.role, rows, local, heads=(piece.src_off, piece.heads))
-        out.put((d, i, local, remote, slot_addrs[remote], chunk[1] * piece.unit_bytes(lay),
-                 session))  # fmt: skip
-    out.put(None)
-    th.join()
-    for d in tasks:  # the last credits: the decode rank scattered every chunk
-        while len(credits[d]) < SLOTS_PER_PAIR:
-            credits[d].append(peers[d].recv())
-    if failed:
-        raise RuntimeError(f"{len(failed)} writes failed")
-    return len(order)
+    def on_start(agent) -> None:
+        for t in tensors.values():  # the pool too: the raw one-block baseline writes there
+            agent.engine.register(t.data_ptr(), t.numel() * t.element_size())
+        holder["engine"] = agent.engine
+        started.set()
+
+    pools = lambda ids: (tensors, layouts)  # noqa: E731 - every entry of this rank
+    threading.Thread(target=serve_start, args=(agent_conn, pools, on_start), daemon=True).start()
+    bench_commands(conn, tensors, wholes, lambda: started.wait(60) and holder["engine"])
 
 
-def receive_tasks(shards, peers: dict, tasks: dict, piece_cls) -> int:
-    """Decode rank: lend two slots to each prefill rank, scatter every landed chunk of ``tasks``
-    (prefill rank -> [(piece, pages, layers, chunk)]) and lend its slot again."""
-    base = {p: k * SLOTS_PER_PAIR for k, p in enumerate(sorted(peers))}
-    for p in tasks:
-        for s in range(SLOTS_PER_PAIR):
-            peers[p].send(s)
-    left = sum(map(len, tasks.values()))
-    by_conn = {peers[p]: p for p in tasks}
-    while left:
-        for c in wait(list(by_conn)):
-            p = by_conn[c]
-            _, i, slot = c.recv()
-            piece, pages, layers, chunk = tasks[p][i]
-            shards.receive(piece_cls(*piece), pages, range(*layers), tuple(chunk), base[p] + slot)
-            c.send(slot)
-            left -= 1
-    return 0
+def start_agents(conns: list, config, slots: int):
+    from kvtransfer.rank_agent import AgentClient
+
+    agents = [AgentClient(c, k) for k, c in enumerate(conns, 1)]
+    for a in agents:
+        a.start(config, {}, slots, config.staging_slot_bytes, 120)
+    return agents
+
+
+def decode0_main(conn, layouts_kw: dict, seed: int, agent_conns: list, config_kw: dict) -> None:
+    """Decode rank 0: a KVReceiver over its shard, with the other decode ranks' agents."""
+    import torch
+
+    from kvtransfer import KVReceiver, TransferConfig
+
+    torch.set_num_threads(1)
+    tensors, wholes, layouts = make_shards("decode", layouts_kw, seed)
+    cfg = TransferConfig(**config_kw)
+    agents = start_agents(agent_conns, cfg, cfg.staging_recv_slots)
+    rx = KVReceiver(cfg, layouts, tensors, agents)
+
+    def extra(cmd):
+        if cmd[0] == "register":
+            _, room, addr, pages, tokens = cmd
+            rx.register(room, [addr], pages, tokens, lambda r, s: None)
+            return "ok"
+        if cmd[0] == "wait":
+            return rx.wait(cmd[1], 120).name
+        return None
+
+    conn.send("ready")
+    try:
+        bench_commands(conn, tensors, wholes, lambda: rx.engine, extra)
+    finally:
+        rx.close()
+        for a in agents:
+            a.close()
 
 
 def link_writes(engine, blocks: list) -> int:
@@ -218,29 +204,53 @@ class TPCell:
         self.args = args
         self.n_pages = math.ceil(args.tokens / page_size)
         self.pool_pages = self.n_pages + self.n_pages // 4
-        self.slot_bytes = int(args.slot_mb * (1 << 20))
         self.lay = {side: [rank_layouts(name, n, r, page_size, self.pool_pages, args.dtype)
                            for r in range(n)]
                     for side, n in (("prefill", prefill_tp), ("decode", decode_tp))}  # fmt: skip
+        inflight = args.inflight
+        self.config_kw = dict(host="127.0.0.1", staging_slot_bytes=int(args.slot_mb * (1 << 20)),
+                              staging_inflight=inflight, staging_slots=inflight + 1,
+                              staging_grants_per_room=inflight + 1)  # fmt: skip
+        self.rooms = iter(range(1, 1 << 30))
+
+    def _kw(self, side: str, rank: int) -> dict:
+        return {role: asdict(lay) for role, lay in self.lay[side][rank].items()}
 
     def start(self) -> None:
-        ctx = mp.get_context("spawn")
-        pairs = {(p, d): ctx.Pipe() for p in range(self.p) for d in range(self.d)}
-        self.conns, self.procs, self.info = {}, [], {}
+        from kvtransfer import KVSender, TransferConfig
+
+        ctx, seed = mp.get_context("spawn"), 7
+        self.conns, self.procs, agent_ends = {}, [], {"prefill": [], "decode": []}
         for side, n in (("prefill", self.p), ("decode", self.d)):
-            for r in range(n):
-                peers = ({d: pairs[r, d][0] for d in range(self.d)} if side == "prefill"
-                         else {p: pairs[p, r][1] for p in range(self.p)})  # fmt: skip
-                kw = {role: asdict(lay) for role, lay in self.lay[side][r].items()}
-                mine, child = ctx.Pipe()
-                proc = ctx.Process(target=rank_main, daemon=True,
-                                   args=(child, peers, side, kw, self.slot_bytes, 7))  # fmt: skip
-                proc.start()
-                self.conns[side, r], self.procs = mine, self.procs + [proc]
+            for r in range(1, n):
+                (a0, a1), (b0, b1) = ctx.Pipe(), ctx.Pipe()
+                self._spawn(ctx, rank_main, (a1, b1, side, self._kw(side, r), seed))
+                agent_ends[side].append(a0)
+                self.conns[side, r] = b0
+        mine, child = ctx.Pipe()
+        self._spawn(ctx, decode0_main, (child, self._kw("decode", 0), seed, agent_ends["decode"],
+                                        self.config_kw))  # fmt: skip
+        self.conns["decode", 0] = mine
+        assert mine.recv() == "ready"
+        tensors, _, layouts = make_shards("prefill", self._kw("prefill", 0), seed)
+        cfg = TransferConfig(**self.config_kw)
+        self.agents = start_agents(agent_ends["prefill"], cfg, cfg.staging_slots)
+        self.tx = KVSender(cfg, layouts, tensors, self.agents)
+        self.info = {("prefill", 0): (self.tx.engine.session_id,
+                                      {r: t.data_ptr() for r, t in tensors.items()})}  # fmt: skip
         for key, c in self.conns.items():
+            c.send(("info",))
             self.info[key] = c.recv()
 
+    def _spawn(self, ctx, target, args) -> None:
+        proc = ctx.Process(target=target, args=args, daemon=True)
+        proc.start()
+        self.procs.append(proc)
+
     def stop(self) -> None:
+        self.tx.close()
+        for a in self.agents:
+            a.close()
         for c in self.conns.values():
             c.send(("exit",))
             c.recv()
@@ -248,115 +258,109 @@ class TPCell:
             p.join(10)
 
     def plan(self, rng):
-        """One request's tasks per rank and its bytes per rank pair (fragmented page tables)."""
-        from kvtransfer import LayerGroupPolicy
+        """One request: random fragmented page tables, its bytes per rank pair, and counts."""
         from kvtransfer.layout import group_units, shard_pieces
-        from kvtransfer.shards import piece_chunks
 
-        src = {role: [int(x) for x in rng.permutation(self.pool_pages)[: self.n_pages]]
-               for role in TP_LAYOUTS[self.name]}  # fmt: skip
-        dst = {role: [int(x) for x in rng.permutation(self.pool_pages)[: self.n_pages]]
-               for role in TP_LAYOUTS[self.name]}  # fmt: skip
-        send = {p: {} for p in range(self.p)}
-        recv = {d: {} for d in range(self.d)}
+        roles = list(TP_LAYOUTS[self.name])
+        pick = lambda: [int(x) for x in rng.permutation(self.pool_pages)[: self.n_pages]]  # noqa: E731
+        src, dst = {r: pick() for r in roles}, {r: pick() for r in roles}
         pair_bytes: dict[tuple[int, int], int] = {}
-        groups, self.per_head_copies = 0, 0
-        for role in TP_LAYOUTS[self.name]:
+        groups, copies = {}, 0
+        for role in roles:
             pl = [x[role] for x in self.lay["prefill"]]
             dl = [x[role] for x in self.lay["decode"]]
-            layer_groups = LayerGroupPolicy().groups(self.args.tokens, pl[0].num_layers)
-            groups += len(layer_groups)
-            for a, b in layer_groups:
+            groups[role] = self.policy().groups(self.args.tokens, pl[0].num_layers)
+            for a, b in groups[role]:
+                units = group_units(pl[0], self.n_pages, range(a, b))
                 for piece in shard_pieces(pl, dl):
-                    layers = range(a, b)
-                    units = group_units(pl[0], self.n_pages, layers)
                     key = (piece.src, piece.dst)
                     pair_bytes[key] = pair_bytes.get(key, 0) + units * piece.unit_bytes(pl[0])
-                    self.per_head_copies += units * pl[0].page_size * piece.heads
-                    session, slots, _ = self.info["decode", piece.dst]
-                    base = sorted(range(self.p)).index(piece.src) * SLOTS_PER_PAIR
-                    mine = slots[base : base + SLOTS_PER_PAIR]
-                    for chunk in piece_chunks(piece, pl[0], self.n_pages, layers, self.slot_bytes):
-                        t = (astuple(piece), (a, b), chunk)
-                        send[piece.src].setdefault(piece.dst, []).append(
-                            (t[0], src[role], t[1], t[2], session, mine)
-                        )
-                        recv[piece.dst].setdefault(piece.src, []).append(
-                            (t[0], dst[role], t[1], t[2]))  # fmt: skip
-        return src, dst, send, recv, pair_bytes, groups
+                    copies += units * pl[0].page_size * piece.heads
+        return src, dst, groups, pair_bytes, copies
 
-    def run_kv(self, send, recv) -> float:
+    @staticmethod
+    def policy():
+        from kvtransfer import LayerGroupPolicy
+
+        return LayerGroupPolicy()
+
+    def run_kv(self, src, dst, groups) -> tuple[float, int]:
+        """One request through KVSender -> KVReceiver; (seconds, Mooncake writes)."""
+        room, d0 = next(self.rooms), self.conns["decode", 0]
+        d0.send(("register", room, self.tx.bootstrap_addr, dst, self.args.tokens))
+        assert d0.recv() == "ok"
+        done, before = threading.Event(), self.tx.staged["chunks"]
+        self.tx.start_room(room, src, lambda r, s: done.set())
+        while self.tx.poll(room).name == "Bootstrapping":  # the claim (Ack) is not timed
+            time.sleep(0.001)
         t0 = time.perf_counter()
-        for d in range(self.d):
-            self.conns["decode", d].send(("run", recv[d]))
-        for p in range(self.p):
-            self.conns["prefill", p].send(("run", send[p]))
-        writes = sum(self.conns["prefill", p].recv() for p in range(self.p))
-        for d in range(self.d):
-            self.conns["decode", d].recv()
-        return time.perf_counter() - t0, writes
+        for role, gs in groups.items():
+            for a, b in gs:
+                self.tx.send_group(room, role, range(a, b))
+        self.tx.finish(room, 1)
+        assert done.wait(120)
+        dt = time.perf_counter() - t0
+        assert self.tx.poll(room).name == "Success", self.tx.failure_reason(room)
+        d0.send(("wait", room))
+        assert d0.recv() == "Success"
+        return dt, self.tx.staged["chunks"] - before
 
     def run_link(self, pair_bytes) -> float:
         """One block per rank pair, from the prefill rank's pool to the decode rank's pool
         (the first entry's buffer: at least as large as any pair's bytes here)."""
         blocks = {p: [] for p in range(self.p)}
         for (p, d), n in pair_bytes.items():
-            session, _, addrs = self.info["decode", d]
-            src_addr = next(iter(self.info["prefill", p][2].values()))
+            session, addrs = self.info["decode", d]
+            src_addr = next(iter(self.info["prefill", p][1].values()))
             blocks[p].append((session, src_addr, next(iter(addrs.values())), n))
         t0 = time.perf_counter()
-        for p in range(self.p):
+        for p in range(1, self.p):
             self.conns["prefill", p].send(("link", blocks[p]))
-        for p in range(self.p):
+        link_writes(self.tx.engine, blocks[0])
+        for p in range(1, self.p):
             self.conns["prefill", p].recv()
         return time.perf_counter() - t0
 
-    def check(self, src, dst) -> None:
+    def decode_ranks(self, *cmd) -> list:
         for d in range(self.d):
-            self.conns["decode", d].send(("check", src, dst))
-        errs = [self.conns["decode", d].recv() for d in range(self.d)]
-        assert not any(errs), errs
-
-    def zero(self) -> None:
-        for d in range(self.d):
-            self.conns["decode", d].send(("zero",))
-            self.conns["decode", d].recv()
+            self.conns["decode", d].send(cmd)
+        return [self.conns["decode", d].recv() for d in range(self.d)]
 
 
 def bench_tp_cell(name: str, spec: str, page_size: int, args) -> dict:
     """``spec``: "P:D" (prefill TP : decode TP)."""
-    p, d = (int(x) for x in spec.split(":"))
-    cell = TPCell(name, p, d, page_size, args)
     import numpy as np
 
+    p, d = (int(x) for x in spec.split(":"))
+    cell = TPCell(name, p, d, page_size, args)
     rng = np.random.default_rng(3)
     res = {"kvtransfer": [], "link": []}
-    writes = groups = 0
-    pair_bytes: dict = {}
     cell.start()
     try:
         for i in range(args.requests + 1):  # request 0 warms up
-            src, dst, send, recv, pair_bytes, groups = cell.plan(rng)
+            src, dst, groups, pair_bytes, copies = cell.plan(rng)
             total = sum(pair_bytes.values())
             for mode in ("kvtransfer", "link") if i % 2 else ("link", "kvtransfer"):
                 if mode == "link":
                     dt = cell.run_link(pair_bytes)
                 else:
-                    cell.zero()
-                    dt, writes = cell.run_kv(send, recv)
-                    cell.check(src, dst)
+                    cell.decode_ranks("zero")
+                    dt, writes = cell.run_kv(src, dst, groups)
+                    errs = cell.decode_ranks("check", src, dst)
+                    assert not any(errs), errs
                 if i:
                     res[mode].append(total / dt / 1e9)
     finally:
         cell.stop()
     med = {k: statistics.median(v) for k, v in res.items()}
+    n_groups = sum(map(len, groups.values()))
     return {
         "layout": name, "prefill_tp": p, "decode_tp": d, "page": page_size,
-        "tokens": args.tokens, "dtype": args.dtype, "bytes_per_request": sum(pair_bytes.values()),
-        "rank_pairs": len(pair_bytes), "groups": groups, "writes_per_request": writes,
-        "writes_bound_groups_x_pairs": groups * len(pair_bytes),
-        "copies_per_token_and_head": cell.per_head_copies,
-        "slot_mb": args.slot_mb, "kvtransfer_gbps": med["kvtransfer"], "link_gbps": med["link"],
+        "tokens": args.tokens, "dtype": args.dtype, "bytes_per_request": total,
+        "rank_pairs": len(pair_bytes), "groups": n_groups, "writes_per_request": writes,
+        "writes_bound_groups_x_pairs": n_groups * len(pair_bytes),
+        "copies_per_token_and_head": copies, "slot_mb": args.slot_mb,
+        "kvtransfer_gbps": med["kvtransfer"], "link_gbps": med["link"],
         "link_ratio": med["kvtransfer"] / med["link"], "runs": res,
     }  # fmt: skip
 

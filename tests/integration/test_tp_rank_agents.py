@@ -125,3 +125,76 @@ def test_prefill_tp_to_decode_tp_then_greedy_equals_transformers(kind, p_tp, d_t
         for r in (p_run, d_run):
             if hasattr(r, "close"):
                 r.close()
+
+
+# ---- the control plane: KVSender / KVReceiver with rank agents (protocol 6) ----------------
+STAGE = TransferConfig(host="127.0.0.1", staging_slot_bytes=1024)  # several chunks per piece
+
+
+def stage_sides(p_run, d_run, p_pool, d_pool, d_agents=True):
+    from kvtransfer import KVReceiver, KVSender
+
+    def agents(run, pool, slots):
+        if not hasattr(run, "kv_agents"):
+            return []
+        return run.kv_agents({"target": pool}, STAGE, slots, STAGE.staging_slot_bytes)
+
+    tx = KVSender(STAGE, {"target": p_pool.layout}, {"target": p_pool.tensor},
+                  agents(p_run, p_pool, STAGE.staging_slots))  # fmt: skip
+    d_ranks = agents(d_run, d_pool, STAGE.staging_recv_slots) if d_agents else []
+    rx = KVReceiver(STAGE, {"target": d_pool.layout}, {"target": d_pool.tensor}, d_ranks)
+    return tx, rx
+
+
+def pd_room(kind, p_run, d_run, prompt, d_agents=True):
+    """One room through KVSender -> KVReceiver; (status, reason, decode pool, its pages, first)."""
+    p_pool, d_pool = p_run.make_pool(16, PAGE), d_run.make_pool(16, PAGE)
+    for seed, pool in enumerate((p_pool, d_pool)):
+        pool.shuffle_free_list(seed)
+    n = p_pool.pages_needed(len(prompt))
+    src_pages, dst_pages = p_pool.alloc(n), d_pool.alloc(n)
+    tx, rx = stage_sides(p_run, d_run, p_pool, d_pool, d_agents)
+    try:
+        rx.register(7, [tx.bootstrap_addr], {"target": dst_pages}, len(prompt), lambda r, s: None)
+        tx.start_room(7, {"target": src_pages})
+        send = lambda a, b: tx.send_group(7, "target", range(a, b))  # noqa: E731
+        logits = p_run.prefill(p_pool, prompt, src_pages, groups=[(0, 2), (2, 4)], on_group=send)
+        first = int(torch.argmax(logits))
+        tx.finish(7, first)
+        status = rx.wait(7, 60)
+        return status.name, rx.failure_reason(7), d_pool, dst_pages, first, tx.staged
+    finally:
+        tx.close()
+        rx.close()
+
+
+@pytest.mark.parametrize(("kind", "p_tp", "d_tp"), CASES + [("qwen2_kv2", 2, 2)])
+def test_kvsender_to_kvreceiver_across_tp_sizes(kind, p_tp, d_tp):
+    prompt = rm.random_prompt(19, seed=4)
+    want = rm.hf_greedy(kind, prompt, N_NEW)
+    p_run, d_run = load(kind, p_tp), load(kind, d_tp)
+    try:
+        status, why, d_pool, pages, first, staged = pd_room(kind, p_run, d_run, prompt)
+        assert status == "Success", why
+        assert staged["chunks"] >= 2 * 2  # several slot-sized chunks per piece, rank 0's own
+        engine = LLMEngine(d_run, d_pool, max_batch=1)
+        seq = engine.add_prefilled("r", prompt, pages, first, SamplingParams(max_tokens=N_NEW))
+        while engine.has_unfinished():
+            engine.step()
+        assert seq.output_ids == want
+    finally:
+        for r in (p_run, d_run):
+            if hasattr(r, "close"):
+                r.close()
+
+
+def test_decode_ranks_not_covering_every_head_are_refused_at_the_handshake():
+    """A TP-2 decode that declares only rank 0 (head 0 of 2): refused before any byte moves."""
+    p_run, d_run = load("qwen2_kv2", 2), load("qwen2_kv2", 2)
+    try:
+        status, why, *_ = pd_room("qwen2_kv2", p_run, d_run, rm.random_prompt(9, 1), False)
+        assert status == "Failed"
+        assert "incompatible tensor parallelism" in why and "not all 2" in why, why
+    finally:
+        p_run.close()
+        d_run.close()

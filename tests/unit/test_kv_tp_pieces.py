@@ -174,3 +174,51 @@ def test_a_head_slice_outside_the_shard_is_refused():
     r = Rank(tp(2)[0], 0.0)
     with pytest.raises(IndexError, match="heads"):
         r.staging.gather("target", [0], 0, heads=(1, 2))
+
+
+# ---- the handshake: decode's Register (protocol 6) against prefill's ranks -----------------
+def register(rank0: EntryLayout, ranks: list[dict], slots: int = 2):
+    from kvtransfer import messages as m
+
+    entry = m.EntrySpec("target", rank0.signature(), [0], 4096, 8)
+    dests = [m.RankDest(f"127.0.0.1:{9000 + k}", 64, b"t" * 32, 8192, slots, 1024, heads)
+             for k, heads in enumerate(ranks)]  # fmt: skip
+    return m.Register(7, "127.0.0.1:8999", [entry], 4, ranks=dests)
+
+
+def dst_of(rank0: EntryLayout) -> dict:
+    return {"target": rank0.with_pool(8, 4096)}
+
+
+def test_a_register_covering_every_head_gives_the_pieces():
+    from kvtransfer.registration import check_ranks
+
+    reg = register(gqa((0, 2)), [{"target": [2, 2]}])
+    pieces = check_ranks(reg, dst_of(gqa((0, 2))), {"target": tp(4)})
+    assert pieces["target"] == [P(0, 0, 0, 1, 0, 0), P(1, 0, 1, 1, 0, 1),
+                                P(2, 1, 2, 1, 0, 0), P(3, 1, 3, 1, 0, 1)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("ranks", "slots", "words"), [
+    ([{"target": [2, 1]}], 2, "not all 4"),  # head 3 held by no decode rank
+    ([{"target": [2, 3]}], 2, "head_start + kv_heads exceeds"),  # past the model's heads
+    ([{"target": [-1, 1]}], 2, "held by no prefill rank"),
+    ([{"draft": [2, 2]}], 2, "head ranges for ['draft']"),
+    ([{"target": [2, 2]}], 0, "no staging region"),
+    ([{"target": [2]}], 2, "decode rank 1: entry target"),
+])  # fmt: skip
+def test_a_register_that_does_not_pair_with_prefills_ranks_is_refused(ranks, slots, words):
+    from kvtransfer.registration import RegistrationError, check_ranks
+
+    reg = register(gqa((0, 2)), ranks, slots)
+    with pytest.raises(RegistrationError) as e:
+        check_ranks(reg, dst_of(gqa((0, 2))), {"target": tp(2)})
+    assert words in str(e.value)
+
+
+def test_a_tp_mismatch_of_heads_that_do_not_divide_is_refused():
+    """prefill at TP 2 over 4 heads, decode at TP 3 (heads 0-1, 2, 3 as its ranks say)."""
+    from kvtransfer.registration import check_ranks
+
+    reg = register(gqa((0, 2)), [{"target": [2, 1]}, {"target": [3, 1]}])
+    assert len(check_ranks(reg, dst_of(gqa((0, 2))), {"target": tp(2)})["target"]) == 3

@@ -54,6 +54,7 @@ class TritonPythonModel:
             observations=self.worker.latency,
         )  # fmt: skip
         self.retirement = g.Retirement(args["model_instance_name"], self.worker.idle)
+        g.exit_when_a_rank_dies(args["model_instance_name"], self.worker.runner)  # TP: reloaded
 
     def execute(self, requests):
         with self.retirement:  # a replaced version exits only between batches

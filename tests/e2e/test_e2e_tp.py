@@ -1,0 +1,91 @@
+"""Tensor parallelism through the real Triton ensemble, on SmolLM2 (3 KV heads): prefill over 3
+ranks and decode over 1, and the reverse. Greedy output equals transformers token for token,
+streaming and not, and every page comes back on both stages. A prefill worker rank killed
+(SIGKILL) makes requests fail with an error (never hang) until the stage, whose process exits
+on its own, is loaded again by serve.sh's supervisor with new ranks; then it serves the same
+tokens, and the killed rank's stage process and workers are gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import proc_net
+import pytest
+from triton_harness import grpc_ask, http_generate, launch, stop, wait_pages_free
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+N = 12
+# kv_checksum does not cover TP ranks yet (refused at the handshake): off for these servers
+BASE = ["num_pages=64", "max_context=512", "max_tokens_limit=64", "kv_checksum=false"]
+PROMPTS = [("What is the capital of France?", True), ("The tallest mountain is", False)]
+
+
+def stage_procs(pgid: int, stage: str) -> tuple[int, list[int]]:
+    """(the stage's stub process, its TP worker processes)."""
+    for p in proc_net.group(pgid):
+        with open(f"/proc/{p}/cmdline", "rb") as f:
+            if f"/{stage}/1/model.py".encode() in f.read():
+                return p, [c for c in proc_net.tree(p) if c != p and _is_worker(c)]
+    raise AssertionError(f"no {stage} stub process")
+
+
+def _is_worker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing" in f.read()
+    except OSError:
+        return False
+
+
+def check_greedy(srv, reference) -> None:
+    for (text, chat), stream in zip(PROMPTS, (True, False), strict=True):
+        want = reference.greedy(text, chat, N)
+        fields = {"text_input": text, "max_tokens": N, "apply_chat_template": chat}
+        pieces, ids, err = grpc_ask(srv.grpc, {**fields, "stream": stream})
+        assert err is None, err
+        assert ids == want, text
+        assert "".join(pieces) == reference.text(want)
+    used = wait_pages_free(srv)
+    assert used[("pd_kv_pages_in_use", "prefill")] == 0
+    assert used[("pd_kv_pages_in_use", "decode")] == 0
+
+
+def test_prefill_tp3_decode_tp1_equals_transformers_and_survives_a_killed_rank(tmp_path, reference):
+    sets = [*BASE, "prefill.tensor_parallel_size=3"]
+    srv, serve, env = launch(tmp_path, sets)
+    try:
+        check_greedy(srv, reference)
+        stub, workers = stage_procs(srv.pid, "prefill")
+        assert len(workers) == 2  # ranks 1 and 2
+        os.kill(workers[0], signal.SIGKILL)
+        fields = {"text_input": PROMPTS[1][0], "max_tokens": N}
+        want = reference.greedy(PROMPTS[1][0], False, N)
+        deadline, out = time.time() + 180, None
+        while time.time() < deadline:
+            out = http_generate(srv, fields)
+            if "output_ids" in out:
+                break
+            assert out.get("error"), out  # a clear error meanwhile (rank dead, reloading)
+            time.sleep(1.0)
+        assert out and out.get("output_ids") == want, out
+        new_stub, new_workers = stage_procs(srv.pid, "prefill")
+        assert new_stub != stub and len(new_workers) == 2
+        gone = [stub, *workers]
+        assert not [p for p in gone if p in proc_net.group(srv.pid)]  # no orphan
+        with open(srv.log, errors="replace") as f:
+            log = f.read()
+        assert "tensor-parallel rank 1 died" in log and "model prefill reloaded" in log
+    finally:
+        stop(srv, serve, env)
+
+
+def test_prefill_tp1_decode_tp3_equals_transformers(tmp_path, reference):
+    srv, serve, env = launch(tmp_path, [*BASE, "decode.tensor_parallel_size=3"])
+    try:
+        check_greedy(srv, reference)
+        assert len(stage_procs(srv.pid, "decode")[1]) == 2
+    finally:
+        stop(srv, serve, env)

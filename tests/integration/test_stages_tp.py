@@ -1,0 +1,109 @@
+"""Stage cores (no Triton) of different tensor-parallel sizes: a PrefillWorker and a DecodeWorker
+with ``tensor_parallel_size`` 2 and 1 (and the reverse) on a model with 2 KV heads, real
+Mooncake between every rank's process. Greedy output equals transformers token for token, the
+pages of both stages come back; a prefill rank killed mid-request fails that request with the
+rank named, frees its pages and leaves no process behind; a decode that does not pair with
+prefill's ranks is refused at the handshake."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from runtime_models import checkpoint, hf_greedy, random_prompt
+from stagepeer import Collector, tiny_params
+
+from backends.runtime.sampler import SamplingParams
+from backends.stages.decode import DecodeWorker
+from backends.stages.params import StageParams
+from backends.stages.prefill import PrefillWorker
+from backends.stages.request import StageRequest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+KIND = "qwen2_kv2"
+
+
+def stages(p_tp: int, d_tp: int):
+    ckpt = checkpoint(KIND)
+    prefill = PrefillWorker(StageParams(**tiny_params(ckpt, tensor_parallel_size=p_tp)))
+    decode = DecodeWorker(StageParams(**tiny_params(ckpt, tensor_parallel_size=d_tp)))
+    return prefill, decode
+
+
+def run(prefill, decode, room: int, ids: list[int], n: int = 10):
+    c = Collector()
+    req = StageRequest(room=room, prompt_ids=ids, sampling=SamplingParams(max_tokens=n),
+                       bootstrap_addr=prefill.bootstrap_addr, stream=True)  # fmt: skip
+    decode.submit(req, c)
+    res = prefill.prefill_one(StageRequest(room=room, prompt_ids=ids,
+                                           sampling=SamplingParams(max_tokens=1)))  # fmt: skip
+    assert c.done.wait(60)
+    return c, res
+
+
+def pages_back(*workers) -> bool:
+    end = time.time() + 10
+    while time.time() < end and any(w.pages_in_use for w in workers):
+        time.sleep(0.05)
+    return not any(w.pages_in_use for w in workers)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
+def test_greedy_across_tp_sizes_equals_transformers(p_tp, d_tp):
+    prefill, decode = stages(p_tp, d_tp)
+    try:
+        for room, n in ((1, 7), (2, 23)):
+            ids = random_prompt(n, seed=n)
+            c, res = run(prefill, decode, room, ids)
+            assert res.error is None and c.events[-1].error is None, c.events[-1].error
+            assert c.ids == hf_greedy(KIND, ids, 10)
+        assert prefill.sender.staged["chunks"] > 0
+        assert pages_back(prefill, decode)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_killed_prefill_rank_fails_its_request_naming_it_and_frees_every_page():
+    prefill, decode = stages(2, 1)
+    (pid,) = prefill.runner.worker_pids
+    try:
+        send = prefill.sender.send_group
+        killed = threading.Event()
+
+        def kill_after_first_group(room, role, layers, fence=None):
+            send(room, role, layers, fence)
+            if not killed.is_set():  # rank 1 dies between two layer groups of the forward
+                killed.set()
+                os.kill(pid, signal.SIGKILL)
+
+        prefill.sender.send_group = kill_after_first_group
+        c, res = run(prefill, decode, 3, random_prompt(13, seed=2))
+        assert res.error and "tensor-parallel rank 1 died (exit code -9)" in res.error
+        assert c.events[-1].error and "prefill" in c.events[-1].error
+        assert pages_back(prefill, decode)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # reaped: no orphan, no zombie
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_decode_whose_ranks_do_not_pair_with_prefills_is_refused_at_once():
+    """Prefill over 2 ranks, decode's second rank hidden from the Register: head 1 of 2 would
+    have nowhere to go. The request fails at the handshake naming the heads, not later."""
+    prefill, decode = stages(2, 2)
+    decode.receiver._rank_layouts, decode.receiver.agents = [], []  # Register lists rank 0 only
+    try:
+        t0 = time.time()
+        c, res = run(prefill, decode, 4, random_prompt(9, seed=1))
+        assert time.time() - t0 < 10
+        assert "incompatible tensor parallelism" in c.events[-1].error
+        assert "not all 2" in c.events[-1].error
+        assert pages_back(prefill, decode)
+    finally:
+        decode.close()
+        prefill.close()
