@@ -10,6 +10,8 @@ kills: no worker survives it.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import sys
 from multiprocessing.connection import Connection, wait
 
 from .tp_comm import TensorParallelError
@@ -77,10 +79,24 @@ def stop_workers(workers: list[WorkerHandle], grace_s: float) -> None:
         w.kv_conn.close()
 
 
+def python_exe() -> str:
+    """The interpreter a worker runs: this process's own installation. An embedded interpreter
+    (Triton's Python stub) reports the PATH's ``python3`` as ``sys.executable``, which may be
+    another installation whose stdlib does not match the ``sys.path`` the worker inherits
+    (measured: the stub on Debian's libpython 3.11, ``sys.executable`` a pyenv shim; numpy then
+    failed to import in the worker)."""
+    base = os.path.realpath(sys.base_exec_prefix)
+    if sys.executable and os.path.realpath(sys.executable).startswith(base + os.sep):
+        return sys.executable
+    own = os.path.join(base, "bin", f"python{sys.version_info[0]}.{sys.version_info[1]}")
+    return own if os.access(own, os.X_OK) else sys.executable
+
+
 def spawn_worker(spec: WorkerSpec) -> WorkerHandle:
     """Start rank ``spec.rank`` in a spawned process (never forked: the serving process runs
     zmq / Mooncake threads) with a pipe to it; daemonic, so it cannot outlive a clean exit."""
     ctx = mp.get_context("spawn")
+    ctx.set_executable(python_exe())
     conn, child = ctx.Pipe()
     kv_conn, kv_child = ctx.Pipe()  # the rank's KV agent (kvtransfer.rank_agent), on demand
     proc = ctx.Process(

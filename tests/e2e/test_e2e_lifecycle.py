@@ -1,5 +1,6 @@
 """A server's life: a stage process that dies (SIGKILL, as the OOM killer would) is reloaded by
-serve.sh's supervisor and serves the same tokens again; stopping a server with serve.sh --stop
+serve.sh's supervisor and serves the same tokens again (decode here; a prefill stage process that
+exits after its TP rank died: test_e2e_tp.py); stopping a server with serve.sh --stop
 during long requests ends the whole process tree within its bounded wait and the clients get an
 error, not a hang; a tritonserver killed outright takes its stage processes with it."""
 
@@ -49,7 +50,7 @@ def test_a_killed_stage_process_is_reloaded_and_serves_the_same_tokens(tmp_path,
         fields = {"text_input": "The capital of France is", "max_tokens": 12}
         want = reference.greedy(fields["text_input"], False, 12)
         assert http_generate(srv, fields)["output_ids"] == want
-        for stage in ("prefill", "decode"):
+        for stage in ("decode",):  # prefill's stub dying and reloading: test_e2e_tp.py
             victim = _stub(srv.pid, stage)
             os.kill(victim, signal.SIGKILL)
             deadline, out = time.time() + 120, None
@@ -63,7 +64,7 @@ def test_a_killed_stage_process_is_reloaded_and_serves_the_same_tokens(tmp_path,
             assert _stub(srv.pid, stage) != victim
         with open(srv.log, errors="replace") as f:
             log = f.read()
-        assert log.count("[supervise]") >= 4 and "model decode reloaded" in log
+        assert log.count("[supervise]") >= 2 and "model decode reloaded" in log
     finally:
         stop(srv, serve, env)
 
