@@ -9,7 +9,8 @@
 parameter (backends/stages/params.py says which; an unknown name is an error). ``--model DIR``
 sets ``model_dir`` everywhere (made absolute). ``--prefill-gpus 0,1`` / ``--decode-gpus 2,3``
 place a stage on GPUs: its ``instance_group`` becomes ``KIND_GPU`` with those GPUs, one instance
-per GPU (times ``--instances``), and ``device: auto`` (the default) runs each on its own GPU.
+per GPU (times ``--instances``), and ``device: auto`` (the default) runs each on its own GPU;
+with ``tensor_parallel_size`` N, each N consecutive GPUs are one instance's ranks.
 Values are checked with the same parser the stages use at load, so a repository that make_repo
 writes loads.
 
@@ -90,6 +91,17 @@ def parse_gpus(spec: str, flag: str) -> list[int]:
     return gpus
 
 
+def rank_gpus(gpus: list[int], tp: int, flag: str) -> list[int]:
+    """With ``tensor_parallel_size`` N, every N consecutive GPUs of the list are one instance's
+    ranks (rank 0 on the first, which Triton gives the instance): [0, 1, 2, 3] at N = 2 ->
+    instances on 0 and 2. SystemExit unless the list is whole groups of consecutive GPUs."""
+    groups = [gpus[i : i + tp] for i in range(0, len(gpus), tp)]
+    if len(gpus) % tp or any(g != list(range(g[0], g[0] + tp)) for g in groups):
+        raise SystemExit(f"{flag} {gpus}: tensor_parallel_size {tp} needs groups of {tp}"
+                         " consecutive GPUs, one per instance (e.g. 0,1,2,3 for 2)")  # fmt: skip
+    return [g[0] for g in groups]
+
+
 def apply_role(out: str, role: str) -> None:
     """Keep the models of ``role``; a decode server's ensemble calls the router for prefill."""
     if role not in ROLES:
@@ -158,7 +170,8 @@ def make_repo(
     for stage, ids in (gpus or {}).items():
         if stage not in configs:
             continue
-        configs[stage] = set_gpus(configs[stage], ids)
+        tp = parse_params(read_params(configs[stage]), stage).tensor_parallel_size
+        configs[stage] = set_gpus(configs[stage], rank_gpus(ids, tp, f"--{stage}-gpus"))
     for s, text in configs.items():
         try:
             parse_params(read_params(text), s)

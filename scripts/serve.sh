@@ -23,8 +23,9 @@
 # of the repository
 # (scripts/make_repo.py). Speculative decoding: --draft DIR (a draft checkpoint sharing the
 # target's vocabulary), --draft-layers K (self-draft), --spec-tokens N. --prefill-gpus /
-# --decode-gpus LIST place a stage on GPUs (KIND_GPU, one instance per GPU); without them a
-# stage's device is `auto` (its GPU, else cuda:0 when there is one, else the CPU).
+# --decode-gpus LIST place a stage on GPUs (KIND_GPU, one instance per GPU; with
+# --set STAGE.tensor_parallel_size=N, one instance per N consecutive GPUs, its ranks); without
+# them a stage's device is `auto` (its GPU, else cuda:0 when there is one, else the CPU).
 # --role: `all` (default) is the single server (every stage here); `prefill` serves only the
 # prefill model (a prefill server: give it a --bootstrap-host decode servers can reach);
 # `decode` serves the client-facing ensemble whose prefill step is the router model, forwarding

@@ -107,6 +107,11 @@ def test_chunk_lands_only_in_the_rooms_pages_and_bad_chunks_fail_the_room(setup)
         (dict(start=6 * 2 * 2 - 1, count=2), "outside the group's stream"),
         (dict(layer_stop=9), "outside [0, 4)"),
         (dict(role="draft"), "not registered"),
+        # protocol 6 (tensor parallel): a head range outside the rank's shard, another rank
+        (dict(heads=3), "heads [0, 3) outside the rank's 2"),
+        (dict(head_off=1, heads=2), "heads [1, 3) outside the rank's 2"),
+        (dict(heads=-1), "outside the rank's 2"),
+        (dict(rank=1), "slot 0 of rank 1 is not lent"),
     ],
 )
 def test_out_of_bounds_chunks_fail_only_that_room(setup, bad, why):
@@ -115,6 +120,7 @@ def test_out_of_bounds_chunks_fail_only_that_room(setup, bad, why):
     _, _, slots_b = claim(lay, rx, router, addr, 9, [11, 12, 13, 14, 15, 16], released)
     rx.staging.buffer[:] = 0xCD
     kw = dict(room=8, slot=slots_a[0], role="target", layer_start=0, layer_stop=2, start=0)
+    kw["slot"] = 0 if "rank" in bad else kw["slot"]
     kw.update(count=1, **{k: v for k, v in bad.items() if k != "count"})
     kw["count"] = bad.get("count", 1)
     send(router, ident, m.Staged(**kw))
@@ -124,3 +130,18 @@ def test_out_of_bounds_chunks_fail_only_that_room(setup, bad, why):
     send(router, ident, m.Staged(9, slots_b[0], "target", 0, 4, 0, 4))  # room 9 still served
     assert recv(router, m.Grant)[1] == m.Grant(9, slots_b[0])
     assert rx.poll(9).name != "Failed" and buf.any()
+
+
+def test_a_head_slice_lands_in_those_heads_only(setup):
+    """A TP prefill's chunk of head 1 (of 2) lands in head 1 of the room's rows, nothing else."""
+    lay, buf, rx, router, addr, released = setup
+    pages = [5, 33, 2, 48, 19, 7]
+    ident, _, slots = claim(lay, rx, router, addr, 10, pages, released)
+    rx.staging.buffer[:] = 0x5A
+    send(router, ident, m.Staged(10, slots[0], "target", 0, 2, 3, 6, 0, 1, 1))
+    assert recv(router, m.Grant)[1] == m.Grant(10, slots[0])
+    rows = staging_rows(lay, pages, range(0, 2), 3, 6)
+    view = buf.reshape(-1, PAGE, 2, lay.page_bytes // PAGE // 2)  # [rows, tokens, heads, bytes]
+    assert (view[rows, :, 1] == 0x5A).all() and not view[rows, :, 0].any()
+    others = np.setdiff1d(np.arange(view.shape[0]), rows)
+    assert not view[others].any()

@@ -111,3 +111,9 @@ def test_placement_flags_write_kind_gpu_instance_groups(tmp_path):
     assert read("preprocess") == (1, "KIND_CPU", None)
     bad = subprocess.run(cmd + ["--decode-gpus", "1,x"], capture_output=True, text=True)
     assert bad.returncode != 0 and "--decode-gpus" in bad.stderr
+    # tensor parallel: each N consecutive GPUs are one instance's ranks (Triton gives it the first)
+    tp = ["--set", "prefill.tensor_parallel_size=2", "--prefill-gpus", "0,1,2,3"]
+    subprocess.run(cmd + tp, check=True, capture_output=True)
+    assert read("prefill") == (1, "KIND_GPU", "0, 2")
+    bad = subprocess.run(cmd + tp[:2] + ["--prefill-gpus", "0,2"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "groups of 2 consecutive GPUs" in bad.stderr
