@@ -143,6 +143,8 @@ class ReceiverStaging:
             return f"slot {msg.slot} was not granted again since its last chunk"
         if msg.role not in r.roles:
             return f"entry {msg.role!r} not registered for this room"
+        if msg.rank and msg.role not in self._rank_layouts[msg.rank - 1]:
+            return f"rank {msg.rank} holds no {msg.role!r} entry"
         if msg.rank == 0:
             lay, size = self.layouts[msg.role], self.staging.slot_bytes
         else:

@@ -91,31 +91,38 @@ def check_entries(
 
 
 def check_ranks(reg: m.Register, dst: dict[str, EntryLayout],
-                prefill: dict[str, list[EntryLayout]]) -> dict[str, list]:  # fmt: skip
+                prefill: dict[str, dict[int, EntryLayout]]) -> dict[str, list]:  # fmt: skip
     """Which prefill rank sends which heads to which decode rank, per entry of ``dst``
-    (:func:`~kvtransfer.layout.shard_pieces`; ``prefill``: role -> this stage's rank shards),
-    or RegistrationError: decode's ranks and ours must cover every KV head exactly, and more
-    decode ranks than rank 0 need staging regions."""
+    (:func:`~kvtransfer.layout.shard_pieces`; ``prefill``: role -> {rank: its shard}, rank 0
+    first), or RegistrationError: the ranks holding an entry on each side must cover every KV
+    head of it exactly, and decode ranks past rank 0 need staging regions. A rank holds the
+    entries it names (a TP draft's ranks may be other processes than the target's); pieces
+    carry the ranks' numbers on each side (0 = the Register's own)."""
     for k, rank in enumerate(reg.ranks, 1):
         if not (0 < rank.staging_slots <= MAX_STAGING_SLOTS
                 and 0 < rank.staging_slot_bytes <= MAX_SLOT_BYTES and rank.staging_addr > 0):
             raise RegistrationError(f"decode rank {k}: no staging region")  # fmt: skip
-        if set(rank.heads) != set(dst):
+        if not rank.heads or set(rank.heads) - set(dst):
             raise RegistrationError(f"decode rank {k}: head ranges for {sorted(rank.heads)},"
                                     f" entries {sorted(dst)}")  # fmt: skip
     pieces = {}
     for role, lay in dst.items():
-        ranks = [lay]
+        ranks, numbers = [lay], [0]
         for k, rank in enumerate(reg.ranks, 1):
+            if role not in rank.heads:
+                continue
             first, count = (list(rank.heads[role]) + [None, None])[:2]
             try:
                 ranks.append(replace(lay, head_start=first, kv_heads=count, base_addr=0))
             except (TypeError, ValueError) as e:
                 raise RegistrationError(f"decode rank {k}: entry {role}: {e}") from None
+            numbers.append(k)
+        src = list(prefill[role].items())
         try:
-            pieces[role] = shard_pieces(prefill[role], ranks)
+            found = shard_pieces([x for _, x in src], ranks)
         except ValueError as e:
             raise RegistrationError(f"incompatible tensor parallelism: {e}") from None
+        pieces[role] = [replace(p, src=src[p.src][0], dst=numbers[p.dst]) for p in found]
     return pieces
 
 

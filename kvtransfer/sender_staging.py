@@ -78,10 +78,12 @@ class _Chunk:
 class SenderStaging:
     def init_staging(self, tensors: dict | None, agents: list | None = None) -> None:
         cfg = self.config
-        # tensor parallel: ranks 1..N-1's KV agents; role -> every rank's shard layout
+        # tensor parallel: the ranks' KV agents (1..); role -> {rank: its shard's layout}
         self.agents = list(agents or [])
-        self.rank_layouts = {role: [lay] + [a.layouts()[role] for a in self.agents]
-                             for role, lay in self.layouts.items()}  # fmt: skip
+        self.rank_layouts = {role: {0: lay} for role, lay in self.layouts.items()}
+        for k, a in enumerate(self.agents, 1):  # an agent holds the entries of its runner
+            for role, lay in a.layouts().items():
+                self.rank_layouts[role][k] = lay
         self.staging: StagingArea | None = None
         if tensors and cfg.staging_slot_bytes:
             self.staging = StagingArea(

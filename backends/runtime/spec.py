@@ -66,14 +66,19 @@ def self_draft(target: ModelRunner, num_layers: int) -> ModelRunner:
 
 
 def load_draft(
-    target: ModelRunner, path: str | None = None, num_layers: int | None = None
+    target: ModelRunner,
+    path: str | None = None,
+    num_layers: int | None = None,
+    tensor_parallel_size: int = 1,
 ) -> ModelRunner:
-    """A draft for ``target``: the checkpoint at ``path``, or a ``num_layers`` self-draft."""
+    """A draft for ``target``: the checkpoint at ``path`` (over ``tensor_parallel_size`` ranks
+    of its own, from the target's device on), or a ``num_layers`` self-draft."""
     if (path is None) == (num_layers is None):
         raise ValueError("give exactly one of a draft checkpoint path or self-draft num_layers")
     if num_layers is not None:
         return self_draft(target, num_layers)
-    draft = ModelRunner.load(path, dtype=target.dtype, device=str(target.device))
+    draft = ModelRunner.load(path, dtype=target.dtype, device=str(target.device),
+                             tensor_parallel_size=tensor_parallel_size)  # fmt: skip
     check_compatible(target, draft)
     return draft
 

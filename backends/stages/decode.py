@@ -81,7 +81,8 @@ class DecodeWorker(DecodeControl, DecodeFailover):
             spec = DraftSpec(self.draft, self.pools[DRAFT], params.spec_tokens)
             self.engine = SpecEngine(self.runner, self.pool, spec, *size, tokenizer=self.tok)
         cfg = params.transfer_config()
-        self.agents = rank_agents(self.runner, self.pools, cfg, cfg.staging_recv_slots)
+        runners = {"target": self.runner, DRAFT: self.draft}
+        self.agents = rank_agents(cfg, cfg.staging_recv_slots, runners, self.pools)
         self.receiver = KVReceiver(
             cfg,
             {role: p.layout for role, p in self.pools.items()},
@@ -209,7 +210,7 @@ class DecodeWorker(DecodeControl, DecodeFailover):
         self._close_failover()
         self.cancel_listener.close()
         self.receiver.close()
-        close_ranks(self.runner, self.agents)
+        close_ranks([self.runner, self.draft], self.agents)
 
     # ---- registration ------------------------------------------------------------------------
     def _queued(self, room: int) -> bool:

@@ -32,9 +32,16 @@ def load_stage_draft(params: StageParams, target: ModelRunner) -> ModelRunner | 
         return None
     if params.draft_path:
         try:
-            return load_draft(target, path=params.draft_path)
+            return load_draft(target, path=params.draft_path,
+                              tensor_parallel_size=params.tensor_parallel_size)  # fmt: skip
         except (OSError, ValueError) as e:
             raise ValueError(f"parameter draft_model_dir {params.draft_model_dir!r}: {e}") from e
+    if params.tensor_parallel_size > 1:
+        raise ValueError(
+            "a self-draft (draft_layers) shares the target's layers, which tensor_parallel_size"
+            " > 1 splits over processes: give tensor-parallel stages a draft checkpoint"
+            " (draft_model_dir)"
+        )
     n = target.config.num_layers
     if params.draft_layers >= n:
         raise ValueError(

@@ -90,7 +90,8 @@ class PrefillWorker:
         self.policy = params.policy()
         self._batch_tokens = min(params.prefill_batch_tokens, params.max_prefill_tokens)
         cfg = params.transfer_config(instance_index)
-        self.agents = rank_agents(self.runner, dict(self._pools()), cfg, cfg.staging_slots)
+        runners = {"target": self.runner, DRAFT: self.draft}
+        self.agents = rank_agents(cfg, cfg.staging_slots, runners, dict(self._pools()))
         self.sender = KVSender(
             cfg,
             {role: pool.layout for role, pool in self._pools()},
@@ -211,7 +212,7 @@ class PrefillWorker:
                 "%s: %d transfers still in flight after %gs; closing", self.name, left, drain_s
             )
         self.sender.close()
-        close_ranks(self.runner, self.agents)
+        close_ranks([self.runner, self.draft], self.agents)
 
     # ---- control thread callbacks --------------------------------------------------------------
     def _registered(self, room: int) -> None:

@@ -17,31 +17,31 @@ from .params import StageParams
 
 
 def load_stage_model(params: StageParams) -> ModelRunner:
-    """The stage's target model, on ``tensor_parallel_size`` ranks."""
-    if params.tensor_parallel_size > 1 and params.spec_enabled:
-        raise ValueError(
-            "parameter tensor_parallel_size > 1 with spec_enabled: speculative decoding on"
-            " tensor-parallel stages is not supported yet; use tensor_parallel_size 1 or"
-            " spec_enabled false"
-        )
+    """The stage's target model, on ``tensor_parallel_size`` ranks (its draft: draft.py)."""
     return ModelRunner.load(params.model_path, dtype=params.dtype,
                             device=resolve_device(params.device),
                             tensor_parallel_size=params.tensor_parallel_size)  # fmt: skip
 
 
-def rank_agents(runner: ModelRunner, pools: dict, cfg: TransferConfig, slots: int) -> list:
-    """Ranks 1..N-1's KV agents over their shards of ``pools`` (role -> pool); [] with one."""
-    if not isinstance(runner, TPModelRunner):
-        return []
-    if not cfg.staging_slot_bytes:
-        raise ValueError("tensor_parallel_size > 1 moves KV through staging slots: keep"
-                         " staging_slot_bytes > 0")  # fmt: skip
-    return runner.kv_agents(pools, cfg, slots, cfg.staging_slot_bytes)
+def rank_agents(cfg: TransferConfig, slots: int, runners: dict, pools: dict) -> list:
+    """The KV agents of ranks 1..N-1 of each entry's runner (role -> runner; ``pools``: role ->
+    its pool), target then draft (a TP draft's ranks are processes of their own); [] when every
+    runner has one rank."""
+    agents: list = []
+    for role, runner in runners.items():
+        if not isinstance(runner, TPModelRunner):
+            continue
+        if not cfg.staging_slot_bytes:
+            raise ValueError("tensor_parallel_size > 1 moves KV through staging slots: keep"
+                             " staging_slot_bytes > 0")  # fmt: skip
+        agents += runner.kv_agents({role: pools[role]}, cfg, slots, cfg.staging_slot_bytes)
+    return agents
 
 
-def close_ranks(runner: ModelRunner, agents: list) -> None:
-    """Stop the agents and the worker ranks (a one-rank runner has none)."""
+def close_ranks(runners: list, agents: list) -> None:
+    """Stop the agents and every runner's worker ranks (a one-rank runner has none)."""
     for a in agents:
         a.close()
-    if isinstance(runner, TPModelRunner):
-        runner.close()
+    for runner in runners:
+        if isinstance(runner, TPModelRunner):
+            runner.close()

@@ -242,17 +242,17 @@ class Retirement:
         os._exit(0)
 
 
-def exit_when_a_rank_dies(name: str, runner, grace_s: float = 2.0) -> None:
+def exit_when_a_rank_dies(name: str, *runners, grace_s: float = 2.0) -> None:
     """A tensor-parallel stage whose worker rank died cannot serve again (its ranks are out of
-    step): once its runner says so and the requests in flight got their error (``grace_s``),
-    this process exits, so scripts/supervise.py loads the stage again with new ranks. Its
-    workers exit with it (they watch rank 0). One rank: nothing to watch."""
-    failure = getattr(runner, "failure", None)
-    if failure is None:
+    step): once one of its ``runners`` (target, draft) says so and the requests in flight got
+    their error (``grace_s``), this process exits, so scripts/supervise.py loads the stage
+    again with new ranks. Their workers exit with it (they watch rank 0). One rank: nothing."""
+    checks = [r.failure for r in runners if hasattr(r, "failure")]
+    if not checks:
         return
 
     def watch() -> None:
-        while (why := failure()) is None:
+        while not (why := next((w for w in (c() for c in checks) if w), None)):
             time.sleep(0.5)
         _say(f"{name}: {why}: this stage process exits so that it is loaded again")
         time.sleep(grace_s)

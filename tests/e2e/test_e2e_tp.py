@@ -1,19 +1,23 @@
 """Tensor parallelism through the real Triton ensemble, on SmolLM2 (3 KV heads): prefill over 3
-ranks and decode over 1, and the reverse. Greedy output equals transformers token for token,
-streaming and not, and every page comes back on both stages. A prefill worker rank killed
+ranks (with speculative decoding, its draft over 3 ranks too) and decode over 1, and the reverse.
+Greedy output equals transformers token for token, streaming and not, and every page comes back
+on both stages. A prefill worker rank killed
 (SIGKILL) makes requests fail with an error (never hang) until the stage, whose process exits
 on its own, is loaded again by serve.sh's supervisor with new ranks; then it serves the same
 tokens, and the killed rank's stage process and workers are gone."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import time
+from pathlib import Path
 
 import proc_net
 import pytest
-from triton_harness import grpc_ask, http_generate, launch, stop, wait_pages_free
+from triton_harness import MODEL, grpc_ask, http_generate, launch, stop, wait_pages_free
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -67,13 +71,29 @@ def check_greedy(srv, reference) -> None:
     assert used[("pd_kv_pages_in_use", "decode")] == 0
 
 
+def truncated_draft(tmp_path, layers: int) -> str:
+    """SmolLM2's first ``layers`` layers as a checkpoint of its own (a draft that is not the
+    target's layers: on tensor-parallel stages it runs on ranks of its own)."""
+    src, out = Path(MODEL), tmp_path / "draft"
+    out.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f.resolve())
+    config = json.loads((src / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    return str(out)
+
+
 def test_prefill_tp3_decode_tp1_equals_transformers_and_survives_a_killed_rank(tmp_path, reference):
-    sets = [*BASE, "prefill.tensor_parallel_size=3"]
-    srv, serve, env = launch(tmp_path, sets)
+    """With speculative decoding on: the draft (its own checkpoint) on 3 prefill ranks of its
+    own, each sending its draft KV head to decode's one rank; output still the target's."""
+    spec = ["spec_enabled=true", f"draft_model_dir={truncated_draft(tmp_path, 24)}",
+            "decode.spec_tokens=2"]  # fmt: skip
+    srv, serve, env = launch(tmp_path, [*BASE, "prefill.tensor_parallel_size=3", *spec])
     try:
         check_greedy(srv, reference)
         stub, workers = stage_procs(srv.pid, "prefill")
-        assert len(workers) == 2  # ranks 1 and 2
+        assert len(workers) == 4  # ranks 1 and 2 of the target and of the draft
         os.kill(workers[0], signal.SIGKILL)
         fields = {"text_input": PROMPTS[1][0], "max_tokens": N}
         want = reference.greedy(PROMPTS[1][0], False, N)
@@ -86,7 +106,7 @@ def test_prefill_tp3_decode_tp1_equals_transformers_and_survives_a_killed_rank(t
             time.sleep(1.0)
         assert out and out.get("output_ids") == want, out
         new_stub, new_workers = stage_procs(srv.pid, "prefill")
-        assert new_stub != stub and len(new_workers) == 2
+        assert new_stub != stub and len(new_workers) == 4
         gone, end = [stub, *workers], time.time() + 15
         while [p for p in gone if _running(p)] and time.time() < end:
             time.sleep(0.5)
@@ -95,7 +115,8 @@ def test_prefill_tp3_decode_tp1_equals_transformers_and_survives_a_killed_rank(t
         assert not [p for p in gone if _running(p)], [_describe(p) for p in gone]
         with open(srv.log, errors="replace") as f:
             log = f.read()
-        assert "tensor-parallel rank 1 died" in log and "model prefill reloaded" in log
+        assert re.search(r"tensor-parallel rank \d died \(exit code -9\)", log)
+        assert "model prefill reloaded" in log
     finally:
         stop(srv, serve, env)
 

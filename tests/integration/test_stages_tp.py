@@ -3,7 +3,9 @@ with ``tensor_parallel_size`` 2 and 1 (and the reverse) on a model with 2 KV hea
 Mooncake between every rank's process. Greedy output equals transformers token for token, the
 pages of both stages come back; a prefill rank killed mid-request fails that request with the
 rank named, frees its pages and leaves no process behind; a decode that does not pair with
-prefill's ranks is refused at the handshake."""
+prefill's ranks is refused at the handshake. The seed case with speculative decoding: an MLA
+target (latent sent once per decode rank, by prefill rank 0) with a GQA draft checkpoint on
+ranks of its own (each prefill rank sends its draft heads), TP 2 -> 1 and 1 -> 2, lossless."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import threading
 import time
 
 import pytest
+from draft_models import hf_greedy_at, mla_target_gqa_draft
 from runtime_models import checkpoint, hf_greedy, random_prompt
 from stagepeer import Collector, tiny_params
 
@@ -26,10 +29,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 KIND = "qwen2_kv2"
 
 
-def stages(p_tp: int, d_tp: int):
-    ckpt = checkpoint(KIND)
-    prefill = PrefillWorker(StageParams(**tiny_params(ckpt, tensor_parallel_size=p_tp)))
-    decode = DecodeWorker(StageParams(**tiny_params(ckpt, tensor_parallel_size=d_tp)))
+def stages(p_tp: int, d_tp: int, ckpt: str | None = None, **kw):
+    ckpt = ckpt or checkpoint(KIND)
+    prefill = PrefillWorker(StageParams(**tiny_params(ckpt, tensor_parallel_size=p_tp, **kw)))
+    decode = DecodeWorker(StageParams(**tiny_params(ckpt, tensor_parallel_size=d_tp, **kw)))
     return prefill, decode
 
 
@@ -61,6 +64,40 @@ def test_greedy_across_tp_sizes_equals_transformers(p_tp, d_tp):
             assert res.error is None and c.events[-1].error is None, c.events[-1].error
             assert c.ids == hf_greedy(KIND, ids, 10)
         assert prefill.sender.staged["chunks"] > 0
+        assert pages_back(prefill, decode)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def colocated_spec(target: str, draft: str, prompts) -> tuple[int, int]:
+    """(proposed, accepted) of one-rank colocated speculative decoding on ``prompts``."""
+    from backends.runtime.runner import ModelRunner
+    from backends.runtime.spec import DraftSpec, SpecEngine, load_draft
+
+    t = ModelRunner.load(target)
+    d = load_draft(t, path=draft)
+    engine = SpecEngine(t, t.make_pool(64, 4), DraftSpec(d, d.make_pool(64, 4, "draft"), 3))
+    engine.generate([(p, SamplingParams(max_tokens=16)) for p in prompts])
+    return engine.stats.proposed, engine.stats.accepted
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
+def test_mla_target_with_a_gqa_draft_across_tp_sizes_is_lossless(p_tp, d_tp):
+    target, draft = mla_target_gqa_draft()
+    spec = dict(spec_enabled=True, draft_model_dir=draft, spec_tokens=3)
+    prefill, decode = stages(p_tp, d_tp, target, **spec)
+    try:
+        assert {len(r.worker_pids) for r in (prefill.runner, prefill.draft) if p_tp > 1} <= {1}
+        prompts = [random_prompt(n, seed=n) for n in (9, 21)]
+        for room, ids in enumerate(prompts, 5):
+            c, res = run(prefill, decode, room, ids, 16)
+            assert res.error is None and c.events[-1].error is None, c.events[-1].error
+            assert c.ids == hf_greedy_at(target, ids, 16)
+        # the draft KV every rank sent is the draft KV colocated decoding computes: the same
+        # proposals are accepted (a wrong head slice would only lower acceptance)
+        st, colo = decode.stats(), colocated_spec(target, draft, prompts)
+        assert (st["spec_proposed"], st["spec_accepted"]) == colo and colo[1] > 0
         assert pages_back(prefill, decode)
     finally:
         decode.close()

@@ -194,7 +194,7 @@ def test_a_register_covering_every_head_gives_the_pieces():
     from kvtransfer.registration import check_ranks
 
     reg = register(gqa((0, 2)), [{"target": [2, 2]}])
-    pieces = check_ranks(reg, dst_of(gqa((0, 2))), {"target": tp(4)})
+    pieces = check_ranks(reg, dst_of(gqa((0, 2))), {"target": dict(enumerate(tp(4)))})
     assert pieces["target"] == [P(0, 0, 0, 1, 0, 0), P(1, 0, 1, 1, 0, 1),
                                 P(2, 1, 2, 1, 0, 0), P(3, 1, 3, 1, 0, 1)]  # fmt: skip
 
@@ -212,7 +212,7 @@ def test_a_register_that_does_not_pair_with_prefills_ranks_is_refused(ranks, slo
 
     reg = register(gqa((0, 2)), ranks, slots)
     with pytest.raises(RegistrationError) as e:
-        check_ranks(reg, dst_of(gqa((0, 2))), {"target": tp(2)})
+        check_ranks(reg, dst_of(gqa((0, 2))), {"target": dict(enumerate(tp(2)))})
     assert words in str(e.value)
 
 
@@ -221,4 +221,28 @@ def test_a_tp_mismatch_of_heads_that_do_not_divide_is_refused():
     from kvtransfer.registration import check_ranks
 
     reg = register(gqa((0, 2)), [{"target": [2, 1]}, {"target": [3, 1]}])
-    assert len(check_ranks(reg, dst_of(gqa((0, 2))), {"target": tp(2)})["target"]) == 3
+    pieces = check_ranks(reg, dst_of(gqa((0, 2))), {"target": dict(enumerate(tp(2)))})
+    assert len(pieces["target"]) == 3
+
+
+def test_a_draft_on_other_ranks_than_the_target_pairs_by_each_sides_rank_numbers():
+    """A TP draft runs in its own worker processes: decode rank 1 holds target heads 2-3, rank
+    2 draft heads 1; prefill's agents 1 (target) and 2 (draft) likewise. Pieces name those
+    ranks, not positions in each entry's list."""
+    from kvtransfer import messages as m
+    from kvtransfer.registration import check_ranks
+
+    t0, d0 = gqa((0, 2)), gqa((0, 1), total=2, role="draft")
+    entries = [m.EntrySpec(x.role, x.signature(), [0], 4096, 8) for x in (t0, d0)]
+
+    def dest(k, heads):
+        return m.RankDest(f"127.0.0.1:{9000 + k}", 64, b"t" * 32, 8192, 2, 1024, heads)
+
+    reg = m.Register(7, "127.0.0.1:8999", entries, 4,
+                     ranks=[dest(1, {"target": [2, 2]}), dest(2, {"draft": [1, 1]})])  # fmt: skip
+    dst = {x.role: x.with_pool(8, 4096) for x in (t0, d0)}
+    prefill = {"target": dict(enumerate(tp(2))),
+               "draft": {0: d0, 2: gqa((1, 1), total=2, role="draft")}}  # fmt: skip
+    pieces = check_ranks(reg, dst, prefill)
+    assert [(p.src, p.dst) for p in pieces["target"]] == [(0, 0), (1, 1)]
+    assert [(p.src, p.dst, p.head) for p in pieces["draft"]] == [(0, 0, 0), (2, 2, 1)]

@@ -54,7 +54,9 @@ class TritonPythonModel:
             observations=self.worker.latency,
         )  # fmt: skip
         self.retirement = g.Retirement(args["model_instance_name"], self.worker.idle)
-        g.exit_when_a_rank_dies(args["model_instance_name"], self.worker.runner)  # TP: reloaded
+        # tensor parallel: a dead rank ends this process; the supervisor loads the stage again
+        name = args["model_instance_name"]
+        g.exit_when_a_rank_dies(name, self.worker.runner, self.worker.draft)
 
     def execute(self, requests):
         with self.retirement:  # a replaced version exits only between batches

@@ -39,7 +39,8 @@ class TritonPythonModel:
             pb, "prefill", name, self._stats, info=info, observations=self.worker.latency
         )
         self.retirement = g.Retirement(name, self.worker.idle)
-        g.exit_when_a_rank_dies(name, self.worker.runner)  # TP: the supervisor reloads it
+        # tensor parallel: a dead rank ends this process; the supervisor loads the stage again
+        g.exit_when_a_rank_dies(name, self.worker.runner, self.worker.draft)
 
     def execute(self, requests):
         with self.retirement:  # a replaced version exits only between batches
