@@ -126,6 +126,17 @@ def check_ranks(reg: m.Register, dst: dict[str, EntryLayout],
     return pieces
 
 
+def check_slots(reg: m.Register, dst: dict[str, EntryLayout], pieces: dict) -> None:
+    """RegistrationError unless each piece's page fits one slot of its decode rank."""
+    for role, found in pieces.items():
+        for p in found:
+            slot = reg.ranks[p.dst - 1].staging_slot_bytes if p.dst else reg.staging_slot_bytes
+            unit = p.unit_bytes(dst[role])
+            if unit > slot:
+                raise RegistrationError(f"decode rank {p.dst}: a staging slot of {slot} B holds"
+                                        f" no page of entry {role} ({unit} B)")  # fmt: skip
+
+
 def _check_pages(entry: m.EntrySpec, page_size: int, num_tokens: int) -> None:
     need = -(-num_tokens // page_size)
     if len(entry.pages) != need:

@@ -26,7 +26,7 @@ from dataclasses import astuple, dataclass, field
 from . import messages as m
 from .layout import ShardPiece, Transfer, group_units, mean_copy_bytes, staging_rows
 from .rank_agent import Chunk
-from .registration import RegistrationError, check_ranks
+from .registration import RegistrationError, check_ranks, check_slots
 from .staging import StagingArea, fence_ready, is_device_event
 from .writer import SlotWriter
 
@@ -110,6 +110,11 @@ class SenderStaging:
         if self.config.kv_checksum:
             raise RegistrationError("kv_checksum does not cover tensor-parallel ranks yet:"
                                     " turn it off for TP stages")  # fmt: skip
+        check_slots(reg, dst, pieces)
+        mine = [self.staging.slot_bytes] + [a.info.slot_bytes for a in self.agents]
+        if any(p.unit_bytes(dst[role]) > mine[p.src] for role, ps in pieces.items() for p in ps):
+            raise RegistrationError("a page does not fit prefill's staging slots: raise"
+                                    " staging_slot_bytes")  # fmt: skip
         return pieces
 
     def use_staging(self, r, role: str) -> bool:

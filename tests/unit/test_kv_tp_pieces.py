@@ -177,13 +177,14 @@ def test_a_head_slice_outside_the_shard_is_refused():
 
 
 # ---- the handshake: decode's Register (protocol 6) against prefill's ranks -----------------
-def register(rank0: EntryLayout, ranks: list[dict], slots: int = 2):
+def register(rank0: EntryLayout, ranks: list[dict], slots: int = 2, slot_bytes: int = 1024):
     from kvtransfer import messages as m
 
     entry = m.EntrySpec("target", rank0.signature(), [0], 4096, 8)
-    dests = [m.RankDest(f"127.0.0.1:{9000 + k}", 64, b"t" * 32, 8192, slots, 1024, heads)
+    dests = [m.RankDest(f"127.0.0.1:{9000 + k}", 64, b"t" * 32, 8192, slots, slot_bytes, heads)
              for k, heads in enumerate(ranks)]  # fmt: skip
-    return m.Register(7, "127.0.0.1:8999", [entry], 4, ranks=dests)
+    return m.Register(7, "127.0.0.1:8999", [entry], 4, staging_addr=4096, staging_slots=2,
+                      staging_slot_bytes=1024, ranks=dests)  # fmt: skip
 
 
 def dst_of(rank0: EntryLayout) -> dict:
@@ -206,13 +207,15 @@ def test_a_register_covering_every_head_gives_the_pieces():
     ([{"draft": [2, 2]}], 2, "head ranges for ['draft']"),
     ([{"target": [2, 2]}], 0, "no staging region"),
     ([{"target": [2]}], 2, "decode rank 1: entry target"),
+    ([{"target": [2, 2]}], 2, "holds no page"),  # a page of 2 heads is 256 B, a slot 64 B
 ])  # fmt: skip
 def test_a_register_that_does_not_pair_with_prefills_ranks_is_refused(ranks, slots, words):
-    from kvtransfer.registration import RegistrationError, check_ranks
+    from kvtransfer.registration import RegistrationError, check_ranks, check_slots
 
-    reg = register(gqa((0, 2)), ranks, slots)
+    reg = register(gqa((0, 2)), ranks, slots, 64 if words == "holds no page" else 1024)
+    dst = dst_of(gqa((0, 2)))
     with pytest.raises(RegistrationError) as e:
-        check_ranks(reg, dst_of(gqa((0, 2))), {"target": dict(enumerate(tp(2)))})
+        check_slots(reg, dst, check_ranks(reg, dst, {"target": dict(enumerate(tp(2)))}))
     assert words in str(e.value)
 
 
