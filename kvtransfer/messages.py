@@ -32,7 +32,8 @@ Version history:
       proof, staging region and KV head range per entry; rank 0 is the Register itself, its
       head range in each entry's signature); Want and Grant name the decode rank whose slots
       they are about; Staged names that rank and the head range (``head_off``, ``heads``) of
-      its shard the chunk carries (0 heads: whole rows).
+      its shard the chunk carries (0 heads: whole rows); a rank's ``pools`` take direct copies
+      of whole shards (same TP on both sides).
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class RankDest(msgspec.Struct, frozen=True):
     staging_slots: int
     staging_slot_bytes: int
     heads: dict[str, list[int]]
+    # role -> [pool address, pages] of this rank's shard: direct copies (same TP, long runs)
+    pools: dict[str, list[int]] = {}
 
 
 class Register(msgspec.Struct, tag="register", frozen=True):

@@ -11,7 +11,9 @@ rank's part of a transfer only:
   the slot with ONE Mooncake write into a decode rank's slot. A writer thread writes while the
   next chunk is gathered;
 * :class:`Scatter` (a decode rank): a chunk that landed in this rank's slot into its heads of
-  the room's pages.
+  the room's pages;
+* :class:`Write` (a prefill rank, same TP on both sides): direct copies of whole page runs
+  from this rank's pool into its decode rank's pool (both registered).
 
 Rank 0 holds an :class:`AgentClient` per rank: commands carry a sequence number and every one
 is answered (:class:`Done`) exactly once, its callback run on the client's reader thread.
@@ -32,7 +34,7 @@ import msgspec
 
 from .config import TransferConfig
 from .engine import Engine
-from .layout import EntryLayout, ShardPiece
+from .layout import EntryLayout, ShardPiece, Transfer
 from .proof import SessionToken
 from .shards import RankShards
 
@@ -76,6 +78,14 @@ class Scatter(msgspec.Struct, tag="scatter", frozen=True):
     slot: int
 
 
+class Write(msgspec.Struct, tag="write", frozen=True):
+    """Direct copies from this rank's pool: (local address, remote address, bytes) each."""
+
+    seq: int
+    session: str
+    transfers: list[tuple[int, int, int]]
+
+
 class Info(msgspec.Struct, tag="info", frozen=True):
     seq: int
 
@@ -100,7 +110,7 @@ class Done(msgspec.Struct, tag="done", frozen=True):
     info: AgentInfo | None = None
 
 
-Command = Start | Send | Scatter | Info | Stop
+Command = Start | Send | Scatter | Write | Info | Stop
 # the TransferConfig fields an agent's Mooncake engine uses
 ENGINE_FIELDS = ("host", "protocol", "rdma_device", "num_workers", "max_batch_entries",
                  "max_inflight_entries")  # fmt: skip
@@ -115,6 +125,8 @@ class RankAgent:
     def __init__(self, config: TransferConfig, tensors: dict, layouts: dict[str, EntryLayout],
                  slots: int, slot_bytes: int):  # fmt: skip
         self.engine = Engine(config)
+        for lay in layouts.values():  # direct copies read / land in the pool itself
+            self.engine.register(lay.base_addr, lay.nbytes)
         self.shards = RankShards(self.engine, tensors, layouts, slots, slot_bytes)
         self.token = SessionToken(self.engine)
         self._free: queue.Queue[int] = queue.Queue()
@@ -155,6 +167,10 @@ class RankAgent:
             elif isinstance(cmd, Scatter):
                 self.shards.receive(*cmd.chunk.args(), cmd.slot)
                 self._answer(conn, Done(cmd.seq, True))
+            elif isinstance(cmd, Write):
+                xs = [Transfer(*t) for t in cmd.transfers]
+                done = lambda ok, seq=cmd.seq: self._answer(conn, Done(seq, ok))  # noqa: E731
+                self.engine.submit(cmd.session, xs, done)
             elif isinstance(cmd, Send):
                 slot = self._free.get()
                 try:
@@ -253,6 +269,11 @@ class AgentClient:
 
     def scatter(self, chunk: Chunk, slot: int, done) -> None:
         self._submit(lambda seq: Scatter(seq, chunk, slot), done)
+
+    def write(self, session: str, transfers: list, done) -> None:
+        """Direct copies (``Transfer`` each) from this rank's pool into ``session``."""
+        xs = [(t.src, t.dst, t.length) for t in transfers]
+        self._submit(lambda seq: Write(seq, session, xs), done)
 
     def _submit(self, make, done: Callable[[bool, str], None]) -> None:
         with self._lock:

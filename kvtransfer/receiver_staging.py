@@ -63,8 +63,9 @@ class ReceiverStaging:
         for a, lays in zip(self.agents, self._rank_layouts, strict=True):
             i = a.info
             heads = {role: [lay.head_start, lay.kv_heads] for role, lay in lays.items()}
+            pools = {role: [lay.base_addr, lay.num_pages] for role, lay in lays.items()}
             out.append(m.RankDest(i.session_id, i.proof_addr, i.proof, i.slot_addrs[0],
-                                  len(i.slot_addrs), i.slot_bytes, heads))  # fmt: skip
+                                  len(i.slot_addrs), i.slot_bytes, heads, pools))  # fmt: skip
         return out
 
     def on_want(self, r, msg: m.Want) -> None:

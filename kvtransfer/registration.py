@@ -105,6 +105,11 @@ def check_ranks(reg: m.Register, dst: dict[str, EntryLayout],
         if not rank.heads or set(rank.heads) - set(dst):
             raise RegistrationError(f"decode rank {k}: head ranges for {sorted(rank.heads)},"
                                     f" entries {sorted(dst)}")  # fmt: skip
+        for role, pool in rank.pools.items():
+            pages = next((e.pages for e in reg.entries if e.role == role), None)
+            if role not in rank.heads or len(pool) != 2 or pool[0] <= 0 or pages is None or \
+                    any(not 0 <= x < pool[1] for x in pages):
+                raise RegistrationError(f"decode rank {k}: bad pool of entry {role}")  # fmt: skip
     pieces = {}
     for role, lay in dst.items():
         ranks, numbers = [lay], [0]
@@ -130,7 +135,7 @@ def check_slots(reg: m.Register, dst: dict[str, EntryLayout], pieces: dict) -> N
     """RegistrationError unless each piece's page fits one slot of its decode rank."""
     for role, found in pieces.items():
         for p in found:
-            slot = reg.ranks[p.dst - 1].staging_slot_bytes if p.dst else reg.staging_slot_bytes
+            slot = dest(reg, p.dst)[3]
             unit = p.unit_bytes(dst[role])
             if unit > slot:
                 raise RegistrationError(f"decode rank {p.dst}: a staging slot of {slot} B holds"
@@ -251,8 +256,17 @@ def proofs(reg: m.Register) -> list[tuple[str, int, bytes]]:
 
 
 def _ranks(reg: m.Register) -> tuple:
-    return tuple((r.session_id, r.staging_addr, r.staging_slots, r.staging_slot_bytes)
-                 for r in reg.ranks)  # fmt: skip
+    return tuple((*dest(reg, k), sorted((role, tuple(v)) for role, v in r.pools.items()))
+                 for k, r in enumerate(reg.ranks, 1))  # fmt: skip
+
+
+def dest(reg: m.Register, rank: int) -> tuple[str, int, int, int]:
+    """(session, staging address, slots, slot bytes) of decode rank ``rank`` (0: the
+    Register's own)."""
+    if rank == 0:
+        return reg.session_id, reg.staging_addr, reg.staging_slots, reg.staging_slot_bytes
+    d = reg.ranks[rank - 1]
+    return d.session_id, d.staging_addr, d.staging_slots, d.staging_slot_bytes
 
 
 def _staging(reg: m.Register) -> tuple[int, int, int]:

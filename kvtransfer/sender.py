@@ -35,6 +35,7 @@ from .layout import EntryLayout, group_transfers
 from .proof import ProofChecker
 from .registration import PeerBook, RegistrationError, check_entries
 from .sender_inbox import MAX_PENDING_REGISTRATIONS, SenderInbox
+from .sender_ranks import SenderRanks
 from .sender_staging import SenderStaging
 from .state import Claim, RoomStatus, SenderRoom
 
@@ -46,7 +47,7 @@ def _register_frame_limit(layouts: dict[str, EntryLayout]) -> int:
     return 4096 + sum(512 + 9 * lay.num_pages for lay in layouts.values())
 
 
-class KVSender(SenderStaging, SenderInbox, ControlLoop):
+class KVSender(SenderRanks, SenderStaging, SenderInbox, ControlLoop):
     """``tensors`` (role -> the pool's tensor, optional): enables staged transfers for
     fragmented page tables (see :mod:`.sender_staging`). ``agents``: a tensor-parallel
     stage's ranks 1..N-1 (:class:`~.rank_agent.AgentClient`, rank order)."""
@@ -259,8 +260,11 @@ class KVSender(SenderStaging, SenderInbox, ControlLoop):
 
     def _launch(self, r: SenderRoom, role: str, layers: range, fence=None) -> None:
         fence = self.faults.delayed(fence)
+        if r.claim.pieces:  # tensor parallel: piece by piece (sender_ranks.py)
+            self.tp_launch(r, role, layers, fence)
+            return
         try:  # staged or direct is decided first: 245,760 copy objects cost ~0.5 s at page 1
-            staged = bool(r.claim.pieces) or self.use_staging(r, role)
+            staged = self.use_staging(r, role)
             transfers = [] if staged else self._transfers(r, role, layers)
         except (ValueError, IndexError) as e:
             self._fail(r.room, f"bad page table: {e}", True)

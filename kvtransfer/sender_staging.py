@@ -26,7 +26,7 @@ from dataclasses import astuple, dataclass, field
 from . import messages as m
 from .layout import ShardPiece, Transfer, group_units, mean_copy_bytes, staging_rows
 from .rank_agent import Chunk
-from .registration import RegistrationError, check_ranks, check_slots
+from .registration import dest
 from .staging import StagingArea, fence_ready, is_device_event
 from .writer import SlotWriter
 
@@ -98,25 +98,6 @@ class SenderStaging:
         self._agent_writes = [0] * len(self.agents)  # per rank agent (ranks 1..N-1)
         self.staged = {"groups": 0, "chunks": 0, "bytes": 0}  # landed through staging
 
-    def stage_pieces(self, reg: m.Register, dst: dict) -> dict | None:
-        """Tensor parallel (ranks 1.. on either side): which rank sends which heads where,
-        every head covered, or RegistrationError. None: one rank each side."""
-        pieces = check_ranks(reg, dst, self.rank_layouts)
-        if not self.agents and not reg.ranks:
-            return None
-        if self.staging is None or not reg.staging_slots:
-            raise RegistrationError("tensor-parallel transfer needs staging on both sides"
-                                    " (staging_slot_bytes > 0)")  # fmt: skip
-        if self.config.kv_checksum:
-            raise RegistrationError("kv_checksum does not cover tensor-parallel ranks yet:"
-                                    " turn it off for TP stages")  # fmt: skip
-        check_slots(reg, dst, pieces)
-        mine = [self.staging.slot_bytes] + [a.info.slot_bytes for a in self.agents]
-        if any(p.unit_bytes(dst[role]) > mine[p.src] for role, ps in pieces.items() for p in ps):
-            raise RegistrationError("a page does not fit prefill's staging slots: raise"
-                                    " staging_slot_bytes")  # fmt: skip
-        return pieces
-
     def use_staging(self, r, role: str) -> bool:
         """Stage this room's groups of ``role``: both sides can, the table is not one run, and
         the direct copies would be small (``staging_min_copy_bytes``)."""
@@ -129,12 +110,12 @@ class SenderStaging:
         mean = mean_copy_bytes(lay, src, r.claim.dst_pages(role))
         return mean < min(self.config.staging_min_copy_bytes, len(src) * lay.page_bytes)
 
-    def stage_group(self, r, role: str, layers: range, fence) -> None:
-        """Stage one group (one task, or one per piece under TP): it counts as ONE outstanding
-        group of the room, done when every task of it is."""
+    def stage_group(self, r, role: str, layers: range, fence, pieces=None) -> None:
+        """Stage one group (one task, or one per TP piece): it counts as ONE outstanding group
+        of the room, done when every task of it is."""
         lay = self.layouts[role]
         units = group_units(lay, len(r.src_pages[role]), layers)
-        pieces = r.claim.pieces[role] if r.claim.pieces else [None]
+        pieces = pieces or [None]
         rs = self._stage_rooms.get(r.room)
         if rs is None:
             rs = self._stage_rooms[r.room] = _RoomStage()
@@ -161,7 +142,7 @@ class SenderStaging:
         if r.status.ended:
             return
         grants = rs.grants.get(g.rank)
-        if grants is None or not 0 <= g.slot < _dest(r.claim.reg, g.rank)[2] or g.slot in grants:
+        if grants is None or not 0 <= g.slot < dest(r.claim.reg, g.rank)[2] or g.slot in grants:
             self._fail(g.room, f"bad staging grant: rank {g.rank} slot {g.slot}", True)
             return
         grants.append(g.slot)
@@ -220,7 +201,7 @@ class SenderStaging:
         heads = (p.src_off, p.heads) if part else None
         src_fits = (self.staging.fits(t.role, heads) if t.src == 0
                     else self.agents[t.src - 1].info.slot_bytes // unit)  # fmt: skip
-        count = min(src_fits, _dest(r.claim.reg, t.dst)[3] // unit, t.units - t.cursor)
+        count = min(src_fits, dest(r.claim.reg, t.dst)[3] // unit, t.units - t.cursor)
         remote = rs.grants[t.dst].popleft()
         c = _Chunk(t, None, remote, t.cursor, count)
         t.cursor += count
@@ -247,7 +228,7 @@ class SenderStaging:
     def _agent_send(self, r, c: _Chunk) -> None:
         """Rank ``c.task.src`` gathers and writes the chunk (its agent); done on this loop."""
         t = c.task
-        session, addr, _, size = _dest(r.claim.reg, t.dst)
+        session, addr, _, size = dest(r.claim.reg, t.dst)
         chunk = Chunk(astuple(t.piece), r.src_pages[t.role], t.layers.start, t.layers.stop,
                       c.start, c.count)  # fmt: skip
         self._agent_writes[t.src - 1] += 1
@@ -265,7 +246,7 @@ class SenderStaging:
             self.call(self._chunk_done, c, False)
             return
         t = c.task
-        session, addr, _, size = _dest(r.claim.reg, t.dst)
+        session, addr, _, size = dest(r.claim.reg, t.dst)
         xfer = Transfer(self.staging.slot_addr(c.local), addr + c.remote * size,
                         c.count * self._unit(t))  # fmt: skip
         self._writes += 1
@@ -310,10 +291,3 @@ class SenderStaging:
         if rs is not None and not any(t.inflight for t in rs.tasks):
             del self._stage_rooms[room]
 
-
-def _dest(reg: m.Register, rank: int) -> tuple[str, int, int, int]:
-    """(session, staging address, slots, slot bytes) of decode rank ``rank``."""
-    if rank == 0:
-        return reg.session_id, reg.staging_addr, reg.staging_slots, reg.staging_slot_bytes
-    d = reg.ranks[rank - 1]
-    return d.session_id, d.staging_addr, d.staging_slots, d.staging_slot_bytes

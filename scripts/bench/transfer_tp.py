@@ -125,9 +125,7 @@ def rank_main(agent_conn, conn, side: str, layouts_kw: dict, seed: int) -> None:
     started = threading.Event()
     holder = {}
 
-    def on_start(agent) -> None:
-        for t in tensors.values():  # the pool too: the raw one-block baseline writes there
-            agent.engine.register(t.data_ptr(), t.numel() * t.element_size())
+    def on_start(agent) -> None:  # its engine registered the pool: the raw baseline writes there
         holder["engine"] = agent.engine
         started.set()
 

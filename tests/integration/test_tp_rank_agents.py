@@ -29,6 +29,7 @@ def load(kind: str, tp: int):
 
 
 CASES = [("qwen2_kv2", 2, 1), ("qwen2_kv2", 1, 2), ("deepseek_v2", 2, 1), ("qwen2_kv2", 2, 2)]
+CONTIGUOUS = ("qwen2_kv2", 2, 2, True)  # same TP, long page runs: direct copies rank to rank
 
 
 STAGE = TransferConfig(host="127.0.0.1", staging_slot_bytes=1024)  # several chunks per piece
@@ -49,11 +50,13 @@ def stage_sides(p_run, d_run, p_pool, d_pool, d_agents=True):
     return tx, rx
 
 
-def pd_room(kind, p_run, d_run, prompt, d_agents=True):
-    """One room through KVSender -> KVReceiver; (status, reason, decode pool, its pages, first)."""
+def pd_room(kind, p_run, d_run, prompt, d_agents=True, contiguous=False):
+    """One room through KVSender -> KVReceiver; (status, reason, decode pool, its pages, first,
+    the sender's staging counters)."""
     p_pool, d_pool = p_run.make_pool(16, PAGE), d_run.make_pool(16, PAGE)
     for seed, pool in enumerate((p_pool, d_pool)):
-        pool.shuffle_free_list(seed)
+        if not contiguous:
+            pool.shuffle_free_list(seed)
     n = p_pool.pages_needed(len(prompt))
     src_pages, dst_pages = p_pool.alloc(n), d_pool.alloc(n)
     tx, rx = stage_sides(p_run, d_run, p_pool, d_pool, d_agents)
@@ -71,15 +74,20 @@ def pd_room(kind, p_run, d_run, prompt, d_agents=True):
         rx.close()
 
 
-@pytest.mark.parametrize(("kind", "p_tp", "d_tp"), CASES)
-def test_kvsender_to_kvreceiver_across_tp_sizes(kind, p_tp, d_tp):
+@pytest.mark.parametrize(("kind", "p_tp", "d_tp", "contiguous"),
+                         [(*c, False) for c in CASES] + [CONTIGUOUS])  # fmt: skip
+def test_kvsender_to_kvreceiver_across_tp_sizes(kind, p_tp, d_tp, contiguous):
     prompt = rm.random_prompt(19, seed=4)
     want = rm.hf_greedy(kind, prompt, N_NEW)
     p_run, d_run = load(kind, p_tp), load(kind, d_tp)
     try:
-        status, why, d_pool, pages, first, staged = pd_room(kind, p_run, d_run, prompt)
+        status, why, d_pool, pages, first, staged = pd_room(kind, p_run, d_run, prompt,
+                                                            contiguous=contiguous)  # fmt: skip
         assert status == "Success", why
-        assert staged["chunks"] >= 2 * 2  # several slot-sized chunks per piece, rank 0's own
+        if contiguous:  # every piece a whole shard with long runs: no staging at all
+            assert staged["chunks"] == 0
+        else:  # several slot-sized chunks per piece, rank 0's own
+            assert staged["chunks"] >= 2 * 2
         engine = LLMEngine(d_run, d_pool, max_batch=1)
         seq = engine.add_prefilled("r", prompt, pages, first, SamplingParams(max_tokens=N_NEW))
         while engine.has_unfinished():
