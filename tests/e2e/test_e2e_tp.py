@@ -87,7 +87,7 @@ def truncated_draft(tmp_path, layers: int) -> str:
 def test_prefill_tp3_decode_tp1_equals_transformers_and_survives_a_killed_rank(tmp_path, reference):
     """With speculative decoding on: the draft (its own checkpoint) on 3 prefill ranks of its
     own, each sending its draft KV head to decode's one rank; output still the target's."""
-    spec = ["spec_enabled=true", f"draft_model_dir={truncated_draft(tmp_path, 24)}",
+    spec = ["spec_enabled=true", f"draft_model_dir={truncated_draft(tmp_path, 8)}",
             "decode.spec_tokens=2"]  # fmt: skip
     srv, serve, env = launch(tmp_path, [*BASE, "prefill.tensor_parallel_size=3", *spec])
     try:
