@@ -147,13 +147,7 @@ class RankAgent:
                                   daemon=True)  # fmt: skip
         writer.start()
         try:
-            while True:
-                try:
-                    cmd = _dec.decode(conn.recv_bytes())
-                except (EOFError, OSError):
-                    return
-                if isinstance(cmd, Stop):
-                    return
+            for cmd in _commands(conn):
                 self._one(conn, cmd)
         finally:
             self._writes.put(None)
@@ -200,11 +194,8 @@ class RankAgent:
                 pass  # rank 0 is gone: nobody to tell
 
 
-def serve_start(conn: Connection, pools_of: Callable[[dict[str, int]], tuple[dict, dict]],
-                on_start: Callable[[RankAgent], None] | None = None) -> None:  # fmt: skip
-    """An agent's thread body in a rank process: wait for :class:`Start` on ``conn``, build the
-    agent over ``pools_of(start.pools)`` (tensors, layouts) and serve (``on_start(agent)``
-    first, if given). A failed start is answered (seq 0) and the thread waits for the next."""
+def _commands(conn: Connection):
+    """Commands from rank 0 until Stop or the pipe's end."""
     while True:
         try:
             cmd = _dec.decode(conn.recv_bytes())
@@ -212,6 +203,15 @@ def serve_start(conn: Connection, pools_of: Callable[[dict[str, int]], tuple[dic
             return
         if isinstance(cmd, Stop):
             return
+        yield cmd
+
+
+def serve_start(conn: Connection, pools_of: Callable[[dict[str, int]], tuple[dict, dict]],
+                on_start: Callable[[RankAgent], None] | None = None) -> None:  # fmt: skip
+    """An agent's thread body in a rank process: wait for :class:`Start` on ``conn``, build the
+    agent over ``pools_of(start.pools)`` (tensors, layouts) and serve (``on_start(agent)``
+    first, if given). A failed start is answered (seq 0) and the thread waits for the next."""
+    for cmd in _commands(conn):
         if not isinstance(cmd, Start):
             continue
         try:

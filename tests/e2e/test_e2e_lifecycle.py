@@ -14,7 +14,7 @@ import time
 
 import proc_net
 import pytest
-from triton_harness import GrpcStream, grpc_input, http_generate, launch, stop
+from triton_harness import GrpcStream, grpc_input, http_generate, launch, stop, until_served
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -53,14 +53,8 @@ def test_a_killed_stage_process_is_reloaded_and_serves_the_same_tokens(tmp_path,
         for stage in ("decode",):  # prefill's stub dying and reloading: test_e2e_tp.py
             victim = _stub(srv.pid, stage)
             os.kill(victim, signal.SIGKILL)
-            deadline, out = time.time() + 120, None
-            while time.time() < deadline:
-                out = http_generate(srv, fields)
-                if "output_ids" in out:
-                    break
-                assert out.get("error"), out  # a clear error meanwhile (stub dead, reloading)
-                time.sleep(1.0)
-            assert out and out.get("output_ids") == want, (stage, out)
+            out = until_served(srv, fields, 120)  # errors meanwhile (stub dead, reloading)
+            assert out.get("output_ids") == want, (stage, out)
             assert _stub(srv.pid, stage) != victim
         with open(srv.log, errors="replace") as f:
             log = f.read()

@@ -14,7 +14,15 @@ import time
 import pytest
 from draft_models import hf_greedy_at, mla_target_gqa_draft
 from runtime_models import random_prompt
-from triton_harness import MODEL, grpc_ask, http_generate, launch, metrics, stop, wait_pages_free
+from triton_harness import (
+    MODEL,
+    assert_greedy,
+    http_generate,
+    launch,
+    metrics,
+    stop,
+    wait_pages_free,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -66,13 +74,7 @@ def test_self_draft_default_model_equals_target_greedy(tmp_path, reference):
     srv, serve, env = launch(tmp_path, sets)
     try:
         prompts = [("What is the capital of France?", True), ("Write a haiku about the sea.", True)]
-        for (text, chat), stream in zip(prompts, (True, False), strict=True):
-            want = reference.greedy(text, chat, MAX_TOKENS)
-            fields = {"text_input": text, "max_tokens": MAX_TOKENS, "apply_chat_template": chat}
-            pieces, ids, err = grpc_ask(srv.grpc, {**fields, "stream": stream})
-            assert err is None, err
-            assert ids == want, text
-            assert "".join(pieces) == reference.text(want)
+        assert_greedy(srv, reference, prompts, MAX_TOKENS)  # streamed, then not
         spec = dict(spec_enabled=True, draft_layers=24, spec_tokens=2)
         colo = colocated_stats(MODEL, spec, [reference.prompt_ids(t, c) for t, c in prompts])
         m = _wait_metric(srv, "pd_spec_verify_steps_total", colo["pd_spec_verify_steps_total"])

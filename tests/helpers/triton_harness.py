@@ -291,6 +291,31 @@ def metrics(server: Server) -> dict[tuple[str, str], float]:
     return out
 
 
+def assert_greedy(server: Server, reference, prompts: list[tuple[str, bool]], n: int) -> None:
+    """Each (text, chat) prompt over gRPC, streamed and not in turn: the reference's greedy
+    tokens and their text."""
+    for (text, chat), stream in zip(prompts, [True, False] * len(prompts), strict=False):
+        want = reference.greedy(text, chat, n)
+        fields = {"text_input": text, "max_tokens": n, "apply_chat_template": chat}
+        pieces, ids, err = grpc_ask(server.grpc, {**fields, "stream": stream})
+        assert err is None, err
+        assert ids == want, text
+        assert "".join(pieces) == reference.text(want)
+
+
+def until_served(server: Server, fields: dict, timeout: float = 180.0) -> dict:
+    """``http_generate`` once a second until it answers with tokens (a stage reloading); each
+    answer before must be an error, never a hang. The last answer."""
+    deadline, out = time.time() + timeout, {}
+    while time.time() < deadline:
+        out = http_generate(server, fields)
+        if "output_ids" in out:
+            break
+        assert out.get("error"), out
+        time.sleep(1.0)
+    return out
+
+
 def wait_pages_free(server: Server, timeout: float = 20.0) -> dict:
     """Poll until no KV page is in use on either stage; returns the last metrics."""
     end = time.time() + timeout
