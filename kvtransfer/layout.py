@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+SCALED_DTYPES = ("float8_e4m3fn",)  # stored as value / 2 ** scale_log2[layer, component]
 ATTN_KINDS = ("gqa", "mla")
 ROLES = ("target", "draft")
 
@@ -64,6 +65,7 @@ class EntryLayout:
     rope_dim: int = 0  # MLA only
     head_start: int = 0  # first KV head held (tensor parallel)
     total_kv_heads: int = 0  # KV heads of the whole model (0: same as kv_heads)
+    scale_log2: tuple[int, ...] = ()  # fp8: log2 of each (layer, component)'s scale
     base_addr: int = 0  # address of the entry's buffer (local)
 
     def __post_init__(self) -> None:
@@ -87,6 +89,15 @@ class EntryLayout:
                 )
         if self.total_kv_heads and self.head_start + self.kv_heads > self.total_kv_heads:
             raise ValueError("head_start + kv_heads exceeds total_kv_heads")
+        object.__setattr__(self, "scale_log2", tuple(self.scale_log2))  # a signature's list
+        want = self.num_layers * self.components if self.dtype in SCALED_DTYPES else 0
+        if len(self.scale_log2) != want or not all(
+            isinstance(e, int) and -64 <= e <= 64 for e in self.scale_log2
+        ):
+            raise ValueError(
+                f"scale_log2 must hold {want} integer exponents in [-64, 64] for a"
+                f" {self.dtype} entry of {self.num_layers} layers, got {self.scale_log2!r}"
+            )
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -158,6 +169,7 @@ class EntryLayout:
             "rope_dim": self.rope_dim,
             "head_start": self.head_start,
             "total_kv_heads": self.total_kv_heads or self.kv_heads,
+            "scale_log2": list(self.scale_log2),
         }
 
     def with_pool(self, num_pages: int, base_addr: int) -> EntryLayout:

@@ -34,6 +34,9 @@ Version history:
       they are about; Staged names that rank and the head range (``head_off``, ``heads``) of
       its shard the chunk carries (0 heads: whole rows); a rank's ``pools`` take direct copies
       of whole shards (same TP on both sides).
+  7 — fp8 KV: each entry's layout signature carries ``scale_log2`` (the exponent of every
+      (layer, component)'s power-of-two scale; empty for unscaled dtypes), so a prefill and a
+      decode whose fp8 scales differ refuse the room like any other layout mismatch.
 """
 
 from __future__ import annotations
@@ -48,9 +51,10 @@ import msgspec
 
 from .identity import Fingerprint
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 Scalar = int | float | str
+SigValue = int | str | list[int]  # a layout signature's field (EntryLayout.signature)
 ExtraValue = int | float | str | list[Scalar]
 
 
@@ -58,7 +62,7 @@ class EntrySpec(msgspec.Struct, frozen=True):
     """Decode's destination for one pool entry: layout signature + where its pages live."""
 
     role: str
-    signature: dict[str, int | str]
+    signature: dict[str, SigValue]
     pages: list[int]  # destination page ids, position i receives prefill's i-th page
     base_addr: int  # decode's buffer address of this entry
     num_pages: int  # pages in decode's pool for this entry
@@ -105,7 +109,7 @@ class Ack(msgspec.Struct, tag="ack", frozen=True):
     """prefill -> decode: this prefill instance claims the room; carries its layouts."""
 
     room: int
-    signatures: dict[str, dict[str, int | str]] = {}
+    signatures: dict[str, dict[str, SigValue]] = {}
 
 
 class Complete(msgspec.Struct, tag="complete", frozen=True):

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from backends.runtime.dtypes import MODEL_DTYPES  # noqa: E402
 from backends.runtime.engine import LLMEngine  # noqa: E402
+from backends.runtime.kv_quant import KV_CACHE_DTYPES  # noqa: E402
 from backends.runtime.runner import ModelRunner  # noqa: E402
 from backends.runtime.sampler import SamplingParams  # noqa: E402
 from backends.stages.params import StageParams  # noqa: E402
@@ -45,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--dtype", choices=MODEL_DTYPES, default=StageParams.dtype)
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                    help="KV cache dtype: auto (--dtype) or float8_e4m3fn (calibrated scales)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument(
         "--tensor-parallel-size",
@@ -87,8 +90,9 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
     runner = ModelRunner.load(
-        args.model, dtype=args.dtype, device=args.device, tensor_parallel_size=tp
-    )
+        args.model, dtype=args.dtype, device=args.device, tensor_parallel_size=tp,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )  # fmt: skip
     tokenizer = None
     if any("prompt" in r for r in reqs) or os.path.isfile(
         os.path.join(args.model, "tokenizer.json")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cuda_attn
+from . import cuda_attn, kv_quant
 from .config import ModelConfig
 from .decode_attn import cpu_decode_attention, decode_attention
 from .kernels import KernelSettings, Linear, fused_ops
@@ -27,15 +27,19 @@ def _linear(w: WeightReader, name: str, kernels: KernelSettings) -> Linear:
     return Linear(w.get(f"{name}.weight"), w.opt(f"{name}.bias"), kernels)
 
 
-def attend(q, k_new, k_cache, meta, scale, kernels, v_new=None, v_cache=None, v_dim=None):
+def attend(q, k_new, k_cache, meta, scale, kernels, v_new=None, v_cache=None, v_dim=None,
+           kv_scales=None):
     """Paged attention (see :func:`~backends.runtime.paged.paged_attention` for the shapes),
     through the runtime's kernels where one is chosen and available: on CUDA (``auto``) the
     Triton paged kernel for every kind; on CPU the in-place decode kernel and the C++ prefill
-    kernel (``auto``)."""
+    kernel (``auto``). ``kv_scales``: (K, V) scales of an fp8 pool (MLA: one), else None."""
+    ks = kv_scales or (1.0, 1.0)
     if q.device.type in cuda_attn.DEVICE_TYPES and kernels.attention == "auto":
-        out = cuda_attn.cuda_attention(q, k_cache, v_cache, v_dim, meta, scale)
+        out = cuda_attn.cuda_attention(q, k_cache, v_cache, v_dim, meta, scale, ks)
         if out is not None:
             return out
+    if kv_scales is not None and meta.kind == "prefill":  # as the fp8 pool holds them
+        k_new, v_new = kv_quant.as_stored(k_new, ks[0]), kv_quant.as_stored(v_new, ks[-1])
     if meta.kind == "prefill" and kernels.attention == "auto":
         out = cpu_prefill_attention(q, k_new, v_new, v_dim, meta, scale)
         if out is not None:
@@ -44,10 +48,10 @@ def attend(q, k_new, k_cache, meta, scale, kernels, v_new=None, v_cache=None, v_
         if kernels.attention == "compiled":
             out = decode_attention(q, k_cache, v_cache, v_dim, meta, scale)
         else:
-            out = cpu_decode_attention(q, k_cache, v_cache, v_dim, meta, scale)
+            out = cpu_decode_attention(q, k_cache, v_cache, v_dim, meta, scale, ks)
         if out is not None:
             return out
-    return paged_attention(q, k_new, k_cache, meta, scale, v_new, v_cache, v_dim)
+    return paged_attention(q, k_new, k_cache, meta, scale, v_new, v_cache, v_dim, ks)
 
 
 class GQAAttention:
@@ -69,6 +73,7 @@ class GQAAttention:
         self.rope = rope
         self.scale = cfg.softmax_scale
         self.kernels = kernels
+        self.kv_scales: tuple[float, float] | None = None  # fp8 pools: (K, V) scales
         # rotary embedding + KV write as one C++ op (rotate-half style, the usual one)
         self.fused = fused_ops(q, kernels) if rope.style == "half" else None
 
@@ -88,9 +93,11 @@ class GQAAttention:
         else:
             qk = self.rope.apply(qkv.view(T, H + 2 * Hkv, D)[:, : H + Hkv], meta.positions)
             q, k = qk.split([H, Hkv], dim=1)  # q and k heads in one rotation
-            write_kv(k_cache, meta, k)
-            write_kv(v_cache, meta, v)
-        out = attend(q, k, k_cache, meta, self.scale, self.kernels, v, v_cache)  # [T, H, D]
+            ks, vs = self.kv_scales or (None, None)
+            write_kv(k_cache, meta, k, ks)
+            write_kv(v_cache, meta, v, vs)
+        out = attend(q, k, k_cache, meta, self.scale, self.kernels, v, v_cache,
+                     kv_scales=self.kv_scales)  # [T, H, D]  # fmt: skip
         return self.o(out.reshape(T, H * D))
 
 
@@ -122,6 +129,7 @@ class MLAAttention:
         self.rope = rope
         self.scale = cfg.softmax_scale
         self.kernels = kernels
+        self.kv_scales: tuple[float] | None = None  # an fp8 pool: the latent's scale
 
     def __call__(self, x: torch.Tensor, meta: BatchMeta, latent: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden]; latent: this layer's pool slab [pages, page_size, R + dr]."""
@@ -139,10 +147,11 @@ class MLAAttention:
         k_pe = self.rope.apply(k_pe[:, None, :], meta.positions)[:, 0]  # [T, dr]
         cache = latent.view(-1, 1, R + self.dr)  # [S, 1, R + dr]
         new = torch.cat([c_kv, k_pe], dim=-1)[:, None, :]  # [T, 1, R + dr]
-        write_kv(cache, meta, new)
+        write_kv(cache, meta, new, self.kv_scales and self.kv_scales[0])
         q_lat = torch.einsum("thd,hdr->thr", q_nope, self.w_uk)  # [T, H, R]
         q_full = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, R + dr]
         # values are the latent's first R channels: [T, H, R]
-        out_lat = attend(q_full, new, cache, meta, self.scale, self.kernels, v_dim=R)
+        out_lat = attend(q_full, new, cache, meta, self.scale, self.kernels, v_dim=R,
+                         kv_scales=self.kv_scales)  # fmt: skip
         out = torch.einsum("thr,hvr->thv", out_lat, self.w_uv)  # [T, H, dv]
         return self.o(out.reshape(T, H * self.dv))

@@ -74,6 +74,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache, v_dim, meta: BatchMeta
     """One new token per sequence. q: [B, H, Dk]; caches as in ``paged_attention`` ->
     [B, H, Dv], or None when the compiled kernel is unavailable (the caller goes eager)."""
     global _kernel
+    if k_cache.dtype == torch.float8_e4m3fn:
+        return None  # fp8 pools: the C++ kernel or gather + dequantize + SDPA
     kernel = _get_kernel()
     if kernel is False:
         return None
@@ -87,10 +89,14 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache, v_dim, meta: BatchMeta
     return out.reshape(q.shape[0], q.shape[1], -1)
 
 
-def cpu_decode_attention(q: Tensor, k_cache: Tensor, v_cache, v_dim, meta: BatchMeta, scale: float):
+def cpu_decode_attention(
+    q: Tensor, k_cache: Tensor, v_cache, v_dim, meta: BatchMeta, scale: float, kv_scales=(1.0, 1.0)
+):
     """As :func:`decode_attention`, through ``torch.ops.pd_runtime.paged_decode``: each K and V
-    row is read once, from its slot, for all the query heads of its KV head. -> [B, H, Dv], or
-    None off CPU or where the kernel cannot be built (the caller goes eager)."""
+    row is read once, from its slot, for all the query heads of its KV head; an fp8 pool's rows
+    are widened as they are read (the K scale folds into the softmax scale, the V scale into
+    the output). -> [B, H, Dv], or None off CPU or where the kernel cannot be built (the
+    caller goes eager)."""
     if q.device.type != "cpu":
         return None
     op = paged_decode_op()
@@ -98,5 +104,7 @@ def cpu_decode_attention(q: Tensor, k_cache: Tensor, v_cache, v_dim, meta: Batch
         return None
     qg, v = _grouped(q, k_cache, v_cache, v_dim)
     lo, hi = meta.key_bounds
-    out = op(qg.contiguous(), k_cache, v, meta.read_slots, lo, hi, scale)
+    out = op(qg.contiguous(), k_cache, v, meta.read_slots, lo, hi, scale * kv_scales[0])
+    if k_cache.dtype == torch.float8_e4m3fn and kv_scales[-1] != 1.0:
+        out = out * kv_scales[-1]
     return out.reshape(q.shape[0], q.shape[1], -1)

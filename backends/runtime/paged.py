@@ -34,6 +34,8 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from .kv_quant import dequantize, is_fp8, write_rows
+
 
 @dataclass
 class BatchMeta:
@@ -175,16 +177,20 @@ def _mask(
     return mask[:, None], False
 
 
-def write_kv(cache: torch.Tensor, meta: BatchMeta, new: torch.Tensor) -> None:
-    """cache: [S, ...] flat slots of one layer component; new: [T, ...] for meta.write_slots."""
-    cache.index_copy_(0, meta.write_slots, new.to(cache.dtype))
+def write_kv(cache: torch.Tensor, meta: BatchMeta, new: torch.Tensor, scale=None) -> None:
+    """cache: [S, ...] flat slots of one layer component; new: [T, ...] for meta.write_slots
+    (an fp8 cache: quantized with ``scale``)."""
+    write_rows(cache, meta.write_slots, new, scale)
 
 
-def gather_context(cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
-    """cache: [S, Hkv, D] (contiguous rows) -> each sequence's context [B, Hkv, L, D]."""
+def gather_context(cache: torch.Tensor, meta: BatchMeta, scale=None, dtype=None):
+    """cache: [S, Hkv, D] (contiguous rows) -> each sequence's context [B, Hkv, L, D] (an fp8
+    cache: dequantized with ``scale`` to ``dtype``)."""
     S, Hkv, D = cache.shape
     B, L = meta.read_slots.shape
     rows = cache.reshape(S, Hkv * D).index_select(0, meta.read_slots.reshape(-1))
+    if is_fp8(rows):
+        rows = dequantize(rows, scale, dtype)
     return rows.view(B, L, Hkv, D).transpose(1, 2)
 
 
@@ -216,21 +222,27 @@ def paged_attention(
     v_new: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
     v_dim: int | None = None,
+    kv_scales: tuple[float, ...] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Attention of new tokens over their sequences' context (the new tokens included).
 
     q: [T, H, Dk]; k_new: [T, Hkv, Dk] (already written to the cache); k_cache: [S, Hkv, Dk]
     flat slots. Values: v_new [T, Hkv, Dv] and v_cache [S, Hkv, Dv], or none of them and
     ``v_dim``: the values are the keys' first ``v_dim`` channels (MLA's latent). -> [T, H, Dv].
-    H must be a multiple of Hkv (GQA; MLA in latent space has Hkv = 1).
+    H must be a multiple of Hkv (GQA; MLA in latent space has Hkv = 1). ``kv_scales``: the
+    (K, V) scales of fp8 caches (a prefill reads no cache: it attends to the new K/V as
+    computed).
     """
     H = q.shape[1]
     if meta.kind == "prefill":  # the context is the new tokens: no pool reads
         k = pad_queries(k_new, meta)  # [B, Hkv, Q, Dk]
         v = k[..., :v_dim] if v_new is None else pad_queries(v_new, meta)
     else:
-        k = gather_context(k_cache, meta)  # [B, Hkv, L, Dk]
-        v = k[..., :v_dim] if v_cache is None else gather_context(v_cache, meta)
+        k = gather_context(k_cache, meta, kv_scales[0], q.dtype)  # [B, Hkv, L, Dk]
+        if v_cache is None:
+            v = k[..., :v_dim]
+        else:
+            v = gather_context(v_cache, meta, kv_scales[-1], q.dtype)
     if meta.kind == "decode":
         return _decode_sdpa(q, k, v, meta.mask, scale)
     qp = pad_queries(q, meta)  # [B, H, Q, Dk]

@@ -14,6 +14,7 @@ import torch
 
 from kvtransfer.layout import EntryLayout
 
+from . import kv_quant
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, graphs_requested
 from .dtypes import model_dtype
@@ -39,6 +40,8 @@ class ModelRunner:
         self.config = config
         self.model = model
         self.dtype = dtype
+        self.kv_dtype = dtype  # the pool's dtype: the model's, or fp8 (see set_kv_cache)
+        self.kv_scale_log2: tuple[int, ...] = ()  # fp8: per (layer, component) scale exponents
         self.device = torch.device(device)
         # decode steps from CUDA graphs (PD_RUNTIME_CUDA_GRAPHS=1; GQA models on CUDA with the
         # Triton attention); tests may set use_graphs / graph_factory to run them on CPU
@@ -60,15 +63,23 @@ class ModelRunner:
         device: str | list[str] = "cpu",
         num_layers: int | None = None,
         tensor_parallel_size: int = 1,
+        kv_cache_dtype: str = "auto",
     ) -> ModelRunner:
-        """Load ``path``; ``num_layers=K`` keeps the first K layers (a self-draft model).
+        """Load ``path``; ``num_layers=K`` keeps the first K layers (a self-draft model);
+        ``kv_cache_dtype``: ``auto`` (the model's dtype) or ``float8_e4m3fn`` (calibrated scales,
+        :mod:`~backends.runtime.kv_quant`).
 
         ``tensor_parallel_size`` N > 1 (or a list of N devices, one per rank): this process is
         rank 0 of N and starts ranks 1..N-1 as worker processes it owns
         (:class:`~backends.runtime.tp_runner.TPModelRunner`; call :meth:`close` to stop them).
         """
+        kv_dtype = kv_quant.resolve(kv_cache_dtype, dtype)
         if tensor_parallel_size != 1 or not isinstance(device, str):
             from .tp_runner import TPModelRunner
+
+            if kv_dtype != dtype:
+                raise ValueError("kv_cache_dtype float8_e4m3fn is not supported with "
+                                 "tensor parallelism yet (use auto)")  # fmt: skip
 
             return TPModelRunner.start(
                 path, dtype=dtype, device=device, num_layers=num_layers, size=tensor_parallel_size
@@ -79,7 +90,19 @@ class ModelRunner:
             config = config.truncated(num_layers)
         tensors = load_weights(path, config.num_layers, torch_dtype, device)
         model = CausalLM(config, WeightReader(tensors, path), device, torch_dtype)
-        return cls(config, model, dtype, device)
+        runner = cls(config, model, dtype, device)
+        if kv_dtype != dtype:
+            runner.set_kv_cache(kv_dtype, kv_quant.calibrate(runner))
+        return runner
+
+    def set_kv_cache(self, kv_dtype: str, scale_log2: tuple[int, ...]) -> None:
+        """Store this model's KV as ``kv_dtype`` with these scales (fp8; pools made later)."""
+        comps = 2 if self.config.attn == "gqa" else 1
+        if len(scale_log2) != self.config.num_layers * comps:
+            raise ValueError(f"{len(scale_log2)} KV scales for {self.config.num_layers} layers")
+        self.kv_dtype, self.kv_scale_log2 = kv_dtype, tuple(scale_log2)
+        for i, layer in enumerate(self.model.layers):
+            layer.attn.kv_scales = tuple(2.0 ** e for e in scale_log2[i * comps : (i + 1) * comps])
 
     # ---- KV pool -----------------------------------------------------------------------------
     def entry_layout(self, num_pages: int, page_size: int, role: str = "target") -> EntryLayout:
@@ -92,7 +115,8 @@ class ModelRunner:
         return EntryLayout(
             role=role,
             attn=c.attn,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
+            scale_log2=self.kv_scale_log2,
             page_size=page_size,
             num_layers=c.num_layers,
             num_pages=num_pages,

@@ -62,7 +62,11 @@ def self_draft(target: ModelRunner, num_layers: int) -> ModelRunner:
     model = copy.copy(target.model)  # shallow: every tensor is the target's own
     model.cfg = config
     model.layers = target.model.layers[:num_layers]
-    return ModelRunner(config, model, target.dtype, str(target.device))
+    draft = ModelRunner(config, model, target.dtype, str(target.device))
+    if target.kv_scale_log2:  # fp8: the shared layers' scales
+        comps = len(target.kv_scale_log2) // target.config.num_layers
+        draft.set_kv_cache(target.kv_dtype, target.kv_scale_log2[: num_layers * comps])
+    return draft
 
 
 def load_draft(
@@ -77,8 +81,10 @@ def load_draft(
         raise ValueError("give exactly one of a draft checkpoint path or self-draft num_layers")
     if num_layers is not None:
         return self_draft(target, num_layers)
+    kv = "auto" if target.kv_dtype == target.dtype else target.kv_dtype  # fp8: its own scales
     draft = ModelRunner.load(path, dtype=target.dtype, device=str(target.device),
-                             tensor_parallel_size=tensor_parallel_size)  # fmt: skip
+                             tensor_parallel_size=tensor_parallel_size,
+                             kv_cache_dtype=kv)  # fmt: skip
     check_compatible(target, draft)
     return draft
 

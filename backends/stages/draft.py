@@ -67,8 +67,9 @@ def copy_prefix_kv(src: KVPool, src_pages: list[int], dst: KVPool, dst_pages: li
     """
     n = dst.layout.num_layers
     dim = 2 if src.layout.attn == "gqa" else 1  # [L][2][pages, ps, h, d] or [L][pages, ps, D]
-    data = src.tensor[:n].index_select(dim, torch.tensor(src_pages, device=src.tensor.device))
-    dst.tensor.index_copy_(dim, torch.tensor(dst_pages, device=dst.tensor.device), data)
+    src_b, dst_b = src.tensor.view(torch.uint8), dst.tensor.view(torch.uint8)  # any dtype (fp8)
+    data = src_b[:n].index_select(dim, torch.tensor(src_pages, device=src.tensor.device))
+    dst_b.index_copy_(dim, torch.tensor(dst_pages, device=dst.tensor.device), data)
 
 
 def make_draft_pool(params: StageParams, draft: ModelRunner) -> KVPool:

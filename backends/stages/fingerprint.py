@@ -64,7 +64,8 @@ def stage_identity(p: StageParams) -> Identity:
     if p.spec_enabled:
         draft = checkpoint_digest(p.draft_path) if p.draft_path else f"self:{p.draft_layers}"
     name = os.path.basename(os.path.normpath(p.model_path))
-    kv = f"{p.dtype}/page{p.page_size}" + ("/crc32c" if p.kv_checksum else "")
+    kv_dtype = p.dtype if p.kv_cache_dtype == "auto" else p.kv_cache_dtype
+    kv = f"{kv_dtype}/page{p.page_size}" + ("/crc32c" if p.kv_checksum else "")
     return Identity(checkpoint_digest(p.model_path), name, draft, kv)
 
 

@@ -20,6 +20,7 @@ from kvtransfer.config import PROTOCOLS
 
 from ..runtime.device import resolve_device
 from ..runtime.dtypes import MODEL_DTYPES
+from ..runtime.kv_quant import KV_CACHE_DTYPES
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
@@ -40,32 +41,29 @@ def _p(default, stages: tuple[str, ...], doc: str):
 
 @dataclass(frozen=True)
 class StageParams:
-    model_dir: str = _p(
-        DEFAULT_MODEL,
-        IDENTITY,
-        "HF checkpoint directory (relative to the repository root, or absolute)",
-    )
+    model_dir: str = _p(DEFAULT_MODEL, IDENTITY, "HF checkpoint directory (relative to the"
+                        " repository root, or absolute)")  # fmt: skip
     dtype: str = _p("float32", PDR, f"model and KV dtype: {' or '.join(MODEL_DTYPES)}")
+    kv_cache_dtype: str = _p("auto", PDR, "`auto` (the model's `dtype`) or `float8_e4m3fn`: fp8"
+                             " KV with calibrated per-layer scales (half of bfloat16's bytes in"
+                             " the pool and on the wire); prefill and decode must agree, scales"
+                             " included (checked at handshake)")  # fmt: skip
     device: str = _p(
         "auto",
         PD,
         "`auto` (the instance's GPU with `KIND_GPU`, else `cuda:0` when torch sees a GPU, else"
         " `cpu`), `cpu`, `cuda`, `cuda:N`; the log names the device chosen",
     )
-    page_size: int = _p(
-        16, PDR, "tokens per KV page; prefill and decode must agree (checked at handshake)"
-    )
+    page_size: int = _p(16, PDR, "tokens per KV page; prefill and decode must agree (checked at"
+                        " handshake)")  # fmt: skip
     num_pages: int = _p(512, PD, "KV pool pages per instance")
     tensor_parallel_size: int = _p(1, PD, "ranks of the stage's model: rank 0 in the instance,"
                                    " 1..N-1 worker processes it owns (GPUs: the instance's"
                                    " device and the next N-1)")  # fmt: skip
     max_batch: int = _p(16, ("decode",), "sequences per continuous-batching step")
     max_context: int = _p(2048, ("preprocess", "decode"), "limit on prompt + `max_tokens`")
-    max_tokens_limit: int = _p(
-        1024,
-        ("preprocess", "decode"),
-        "largest `max_tokens` a request may ask for (< `max_context`)",
-    )
+    max_tokens_limit: int = _p(1024, ("preprocess", "decode"), "largest `max_tokens` a request"
+                               " may ask for (< `max_context`)")  # fmt: skip
     default_max_tokens: int = _p(256, ("preprocess",), "`max_tokens` of a request that gives none"
                                  " (capped by `max_tokens_limit` and context left)")  # fmt: skip
     max_prefill_tokens: int = _p(4096, ("prefill",), "prompt tokens per prefill forward; a longer"
@@ -143,11 +141,8 @@ class StageParams:
         "speculative decoding: prefill also sends the draft's prompt KV, decode drafts and"
         " verifies; must be equal in both stages (checked at handshake)",
     )
-    draft_model_dir: str = _p(
-        "",
-        PDR,
-        'draft checkpoint (a supported family with the target\'s vocabulary); `""` = self-draft',
-    )
+    draft_model_dir: str = _p("", PDR, "draft checkpoint (a supported family with the target's"
+                              ' vocabulary); `""` = self-draft')  # fmt: skip
     draft_layers: int = _p(
         24,
         PDR,
@@ -202,6 +197,9 @@ class StageParams:
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"parameter dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"parameter kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got"
+                             f" {self.kv_cache_dtype!r}")  # fmt: skip
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(
                 f"parameter device must be auto, cpu, cuda or cuda:N, got {self.device!r}"

@@ -20,7 +20,8 @@ def load_stage_model(params: StageParams) -> ModelRunner:
     """The stage's target model, on ``tensor_parallel_size`` ranks (its draft: draft.py)."""
     return ModelRunner.load(params.model_path, dtype=params.dtype,
                             device=resolve_device(params.device),
-                            tensor_parallel_size=params.tensor_parallel_size)  # fmt: skip
+                            tensor_parallel_size=params.tensor_parallel_size,
+                            kv_cache_dtype=params.kv_cache_dtype)  # fmt: skip
 
 
 def rank_agents(cfg: TransferConfig, slots: int, runners: dict, pools: dict) -> list:

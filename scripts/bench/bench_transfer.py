@@ -65,10 +65,13 @@ MODES = ("link", "fragmented", "contiguous", "raw")
 
 def entry(name: str, dtype: str, page_size: int, num_pages: int, layers: int | None):
     from kvtransfer import EntryLayout
+    from kvtransfer.layout import SCALED_DTYPES
 
     kw = dict(LAYOUTS[name])
     if layers:
         kw["num_layers"] = min(layers, kw["num_layers"])
+    if dtype in SCALED_DTYPES:  # fp8: one scale per (layer, component); the bytes are random
+        kw["scale_log2"] = [0] * kw["num_layers"] * (2 if kw["attn"] == "gqa" else 1)
     return EntryLayout(role="target", dtype=dtype, page_size=page_size, num_pages=num_pages, **kw)
 
 
@@ -258,6 +261,9 @@ def bench_cell(name: str, page_size: int, args) -> dict:
         "page_size": page_size,
         "tokens": args.tokens,
         "bytes_per_request": nbytes,
+        "bytes_per_token": lay.bytes_per_token_all_layers(),
+        "bytes_per_token_bfloat16": entry(**{**layout_kw, "dtype": "bfloat16"})
+        .bytes_per_token_all_layers(),
         "copies_fragmented_direct": frag_copies,
         "groups": len(groups),
         "slot_mb": args.slot_mb,
@@ -327,7 +333,9 @@ def main() -> None:
     ap.add_argument("--headline-page", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--requests", type=int, default=5, help="measured requests per cell")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float8_e4m3fn"],
+                    help="the pools' dtype (auto: --dtype), as the stage parameter")
     ap.add_argument("--layers", type=int, default=None, help="cap layers (memory/time)")
     ap.add_argument("--slot-mb", type=float, default=8.0, help="staging slot size (MiB)")
     ap.add_argument("--inflight", type=int, default=2, help="staged writes in flight")
@@ -355,6 +363,8 @@ def main() -> None:
     )
     ap.add_argument("--tp-layouts", nargs="+", default=list(TP_LAYOUTS), choices=list(TP_LAYOUTS))
     args = ap.parse_args()  # fmt: skip
+    if args.kv_cache_dtype != "auto":
+        args.dtype = args.kv_cache_dtype
     if args.link_gbit is not None and not netns.in_netns():
         sys.exit(netns.reexec_in_netns(args.link_gbit, args.link_burst, args.link_latency))
     link = netns.describe(args.link_gbit, args.link_burst, args.link_latency)

@@ -21,6 +21,10 @@ def headline(cells: list[dict], page_size: int) -> dict:
     out["ratio"] = out["fragmented_gbps"] / out["raw_gbps"] if out["raw_gbps"] else None
     out["link_ratio"] = out["fragmented_gbps"] / out["link_gbps"]
     out["min_link_ratio"] = min(c["link_ratio"] for c in sel)
+    out["bytes_per_token"] = {c["layout"]: c["bytes_per_token"] for c in sel}
+    out["bytes_per_token_over_bfloat16"] = {
+        c["layout"]: c["bytes_per_token"] / c["bytes_per_token_bfloat16"] for c in sel
+    }
     return out
 
 

@@ -24,6 +24,13 @@ LAYOUTS = {
     ),
     "draft_gqa": dict(attn="gqa", dtype="float32", num_layers=2, kv_heads=1, head_dim=16),
     "draft_gqa_wide": dict(attn="gqa", dtype="float32", num_layers=2, kv_heads=1, head_dim=32),
+    # fp8 KV: one byte per element, a power-of-two scale per (layer, component)
+    "fp8_gqa": dict(attn="gqa", dtype="float8_e4m3fn", num_layers=4, kv_heads=2, head_dim=32,
+                    scale_log2=[-3, -5, -2, -4, -2, -4, -3, -4]),
+    "fp8_gqa_rescaled": dict(attn="gqa", dtype="float8_e4m3fn", num_layers=4, kv_heads=2,
+                             head_dim=32, scale_log2=[-3, -5, -2, -4, -2, -3, -3, -4]),
+    "fp8_mla": dict(attn="mla", dtype="float8_e4m3fn", num_layers=4, head_dim=96,
+                    kv_lora_rank=64, rope_dim=32, scale_log2=[-2, -3, -2, -2]),
 }
 
 

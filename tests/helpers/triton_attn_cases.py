@@ -238,10 +238,56 @@ def runtime_cases() -> dict[str, dict]:
             err = str(e) or repr(e)
         results[f"runtime-{kind}"] = _verdict(err, t0)
     results.update(graph_cases(calls))
+    results.update(fp8_cases(calls))
     return results
 
 
 GRAPH_KINDS = ("llama", "mistral")
+FP8_KINDS = ("mistral", "deepseek_v3")  # GQA with a sliding window, MLA
+
+
+def _fp8_logits(runner, prompt: list[int]) -> torch.Tensor:
+    """A prompt in two chunks then one decode step, on a fresh fp8 pool: the second chunk and
+    the step read the first one's fp8 pages. -> the logits of all three, concatenated."""
+    from backends.runtime.runner import SeqInput
+
+    pool = runner.make_pool(16, 4)
+    pool.shuffle_free_list(seed=4)
+    pages = pool.alloc(7)
+    (a,) = runner.forward(pool, [SeqInput(prompt[:13], 0, pages)])
+    (b,) = runner.forward(pool, [SeqInput(prompt[13:], 13, pages)])
+    c = runner.decode(pool, [prompt[0]], [len(prompt)], [pages])
+    return torch.cat([a, b, c])
+
+
+def fp8_cases(calls: list) -> dict[str, dict]:
+    """fp8 KV through the Triton kernel (dequantized in the kernel with the layer's scales)
+    against the CPU path over the same fp8 pages (SDPA on dequantized rows, the C++ decode
+    kernel)."""
+    import runtime_models as rm
+
+    from backends.runtime import cuda_attn
+    from backends.runtime.runner import ModelRunner
+
+    results = {}
+    for kind in FP8_KINDS:
+        t0, err = time.perf_counter(), None
+        try:
+            runner = ModelRunner.load(rm.checkpoint(kind), kv_cache_dtype="float8_e4m3fn")
+            prompt = rm.random_prompt(21, seed=2)
+            n0 = len(calls)
+            got = _fp8_logits(runner, prompt)
+            assert len(calls) - n0 == 3 * runner.config.num_layers, "the kernel did not run"
+            cuda_attn.DEVICE_TYPES = ("cuda",)
+            try:
+                want = _fp8_logits(runner, prompt)
+            finally:
+                cuda_attn.DEVICE_TYPES = ("cuda", "cpu")
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        except AssertionError as e:
+            err = str(e) or repr(e)
+        results[f"fp8-runtime-{kind}"] = _verdict(err, t0)
+    return results
 
 
 def _verdict(err: str | None, t0: float) -> dict:

@@ -17,6 +17,7 @@ from draft_models import hf_greedy_at, mla_target_gqa_draft
 from runtime_models import checkpoint, random_prompt
 from stagepeer import Collector, PrefillProcess, tiny_params
 
+from backends.runtime.engine import LLMEngine
 from backends.runtime.kv_pool import KVPool
 from backends.runtime.runner import ModelRunner
 from backends.runtime.sampler import SamplingParams
@@ -45,15 +46,22 @@ def _self_draft() -> tuple[str, dict]:
     return checkpoint("llama"), dict(spec_enabled=True, draft_layers=2, spec_tokens=2)
 
 
+def _mla_gqa_fp8() -> tuple[str, dict]:
+    target, spec = _mla_gqa()
+    return target, dict(spec, kv_cache_dtype="float8_e4m3fn")
+
+
 # -> (target checkpoint, spec parameters): an MLA target with a GQA draft checkpoint (they agree
-# about half the time), and a GQA target with a self-draft of its first half
-CASES = {"mla-target+gqa-draft": _mla_gqa, "gqa-self-draft": _self_draft}
+# about half the time), the same with fp8 KV (both entries fp8, each with its own scales), and a
+# GQA target with a self-draft of its first half
+CASES = {"mla-target+gqa-draft": _mla_gqa, "mla-target+gqa-draft-fp8": _mla_gqa_fp8,
+         "gqa-self-draft": _self_draft}  # fmt: skip
 
 
 def prompt_kv(pool: KVPool, pages: list[int], n: int) -> torch.Tensor:
     """The KV of the first n token slots held in ``pages``: [layers, (2,) n, ...]."""
     dim = 2 if pool.layout.attn == "gqa" else 1  # [L][2][pages, ps, ..] or [L][pages, ps, ..]
-    t = pool.tensor.index_select(dim, torch.tensor(pages))
+    t = pool.tensor.view(torch.uint8).index_select(dim, torch.tensor(pages))  # any dtype: bytes
     t = t.flatten(dim, dim + 1)  # pages x page_size -> token slots
     return t.narrow(dim, 0, n).clone()
 
@@ -101,12 +109,22 @@ def test_spec_disaggregated_equals_colocated_and_transformers(case):
             assert prefill.prefill(300 + i, ids)[1] is None
         for c in outs:
             assert c.done.wait(60)
+        kv_dtype = params.get("kv_cache_dtype", "auto")
+        target = ModelRunner.load(params["model_dir"], kv_cache_dtype=kv_dtype)
+        for pool in decode.pools.values():  # both entries (MLA target, GQA draft) in kv_dtype
+            assert pool.layout.dtype == target.kv_dtype
+            assert bool(pool.layout.scale_log2) == (kv_dtype != "auto")
+        assert decode.pools["target"].layout.scale_log2 == target.kv_scale_log2
         for ids, c in zip(PROMPTS, outs, strict=True):
             assert c.events[-1].error is None, c.events[-1].error
-            assert c.ids == hf_greedy_at(target_dir, ids, MAX_TOKENS)
+            if kv_dtype == "auto":
+                assert c.ids == hf_greedy_at(target_dir, ids, MAX_TOKENS)
+            else:  # fp8 KV: target-only greedy over the same fp8 KV (test_runtime_fp8 checks it)
+                ref = LLMEngine(target, target.make_pool(96, 4), max_batch=4)
+                (seq,) = ref.generate([(ids, SamplingParams(max_tokens=MAX_TOKENS))])
+                assert c.ids == seq.output_ids
 
         # colocated reference: the same target and draft, one process, one SpecEngine
-        target = ModelRunner.load(params["model_dir"])
         draft = load_stage_draft(StageParams(**params), target)
         dpool = draft.make_pool(96, 4, role="draft")
         for i, ids in enumerate(PROMPTS):  # the draft KV bytes decode received

@@ -118,3 +118,26 @@ def test_groups_larger_than_one_batch(spawn, inflight):
         decode.free_room(room)
     assert (prefill.free_counts(), decode.free_counts()) == free0
     assert prefill.released_counts() == {"31": 1, "32": 1}
+
+
+def test_fp8_pools_byte_exact_and_half_of_bfloat16(spawn):
+    """fp8 entries (GQA target, MLA draft) move as their own bytes: one per element, half of
+    the bfloat16 entries of the same shape, and land exactly."""
+    from kvpeer import LAYOUTS
+
+    from kvtransfer.layout import EntryLayout
+
+    entries = {"target": ("fp8_gqa", 16, 80), "draft": ("fp8_mla", 16, 80)}
+    prefill = spawn("prefill", entries, seed=8)
+    decode = spawn("decode", entries, seed=8)
+    free0 = (prefill.free_counts(), decode.free_counts())
+    groups = [("target", 0, 2), ("target", 2, 4), ("draft", 0, 4)]
+    st, need = run_room(prefill, decode, 21, {"target": 700, "draft": 700}, groups)
+    assert st == ("Success", "")
+    assert_same_bytes(prefill, decode, 21, need)
+    decode.free_room(21)
+    assert (prefill.free_counts(), decode.free_counts()) == free0
+    for fp8, bf16 in (("fp8_gqa", "gqa"), ("fp8_mla", "mla")):
+        a, b = (EntryLayout(role="target", page_size=16, num_pages=1, **LAYOUTS[k])
+                for k in (fp8, bf16))  # fmt: skip
+        assert 2 * a.bytes_per_token_all_layers() == b.bytes_per_token_all_layers()

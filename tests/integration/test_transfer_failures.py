@@ -140,6 +140,22 @@ def test_incompatible_layout_at_handshake(spawn):
     assert (prefill.free_counts(), decode.free_counts()) == free0
 
 
+def test_fp8_scales_differ_refused_at_handshake(spawn):
+    """Same shape and dtype, one layer's fp8 scale differs: the room fails with the field named
+    on both sides, before any byte moves; the pages come back."""
+    fp8 = {"target": ("fp8_gqa", 16, 64)}
+    prefill = spawn("prefill", fp8)
+    decode = spawn("decode", {"target": ("fp8_gqa_rescaled", 16, 64)})
+    free0 = (prefill.free_counts(), decode.free_counts())
+    start(prefill, decode, 1, roles=("target",))
+    for side in (decode, prefill):
+        status, reason = side.wait(1, 30)
+        assert status == "Failed" and "incompatible layout" in reason, reason
+        assert "scale_log2 differs" in reason, reason
+    assert decode.untouched([])  # not one byte landed, not even in the room's own pages
+    assert (prefill.free_counts(), decode.free_counts()) == free0
+
+
 def test_garbage_control_messages_dropped(spawn):
     secret = b"0123456789abcdef-secret"
     prefill = spawn("prefill", ENTRIES, shared_secret=secret)

@@ -31,7 +31,7 @@ def test_first_differing_field_names_the_refusal():
     assert mismatch(BASE, r(BASE, kv="float32/page16/crc32c"))[0] == "kv"
     assert mismatch(BASE, r(BASE, model_name="renamed")) is None  # the digest decides
     changes = {
-        "protocol": {"protocol": 6},
+        "protocol": {"protocol": 7},
         "secret": {"key_id": "x"},
         "model": {"model": "c"},
         "draft": {"draft": "self:2"},

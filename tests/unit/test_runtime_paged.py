@@ -189,8 +189,10 @@ def test_cpu_decode_kernel_refuses_slots_outside_the_pool():
         op(q, k, k, torch.tensor([[16]]), one * 0, one, 1.0)
     with pytest.raises(RuntimeError, match="not inside"):
         op(q, k, k, torch.tensor([[3]]), one * 0, one * 2, 1.0)
-    with pytest.raises(RuntimeError, match="dtypes differ"):
+    with pytest.raises(RuntimeError, match="must be in q's dtype or both float8"):
         op(q.double(), k, k, torch.tensor([[3]]), one * 0, one, 1.0)
+    with pytest.raises(RuntimeError, match="must be in q's dtype or both float8"):
+        op(q, k.to(torch.float8_e4m3fn), k, torch.tensor([[3]]), one * 0, one, 1.0)
 
 
 def test_cpu_kernel_build_failure_falls_back_to_sdpa(monkeypatch, tmp_path, caplog):

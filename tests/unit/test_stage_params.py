@@ -42,6 +42,7 @@ def test_parse_converts_and_builds_policy_and_transfer_config():
     "raw,words",
     [
         ({"dtype": "float64"}, ["dtype", "float32"]),
+        ({"kv_cache_dtype": "int8"}, ["kv_cache_dtype", "float8_e4m3fn"]),
         ({"transport": "udp"}, ["transport", "tcp"]),
         ({"page_size": "abc"}, ["page_size", "integer"]),
         ({"num_pages": "0"}, ["num_pages", ">= 1"]),

@@ -43,6 +43,7 @@ def results():
         *cases.suite(),
         *(f"runtime-{k}" for k in cases.RUNTIME_KINDS),
         *(f"graphs-{k}" for k in cases.GRAPH_KINDS),
+        *(f"fp8-runtime-{k}" for k in cases.FP8_KINDS),
     ],
 )
 def test_kernel_matches_float64_reference(results, name):

@@ -9,14 +9,18 @@
 //   slots  [B, L] int64     each sequence's context slots, padded to the longest
 //   lo, hi [B] int64        sequence b attends to keys [lo_b, hi_b) of its row of slots
 //   -> out [B, Hkv, G, Dv]  in q's dtype
+// k and v are in q's dtype or float8_e4m3fn (an fp8 pool: rows widened through a 256-entry
+// table as they are read; the caller folds the K scale into `scale` and applies the V scale).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -28,13 +32,32 @@ namespace {
 
 using namespace pd;
 
+using Fp8 = c10::Float8_e4m3fn;
+
+const std::array<float, 256> kFp8Table = [] {
+  std::array<float, 256> t{};
+  for (int i = 0; i < 256; ++i)
+    t[i] = static_cast<float>(Fp8(static_cast<uint8_t>(i), Fp8::from_bits()));
+  return t;
+}();
+
+// One cache element as float32.
+template <typename C>
+PD_INLINE float to_f(C x) {
+  if constexpr (std::is_same_v<C, Fp8>) {
+    return kFp8Table[x.x];
+  } else {
+    return static_cast<float>(x);
+  }
+}
+
 // Row of a cache as float32: the row itself, or converted into buf.
-template <typename T>
-PD_INLINE const float* as_float(const T* row, int64_t n, float* buf) {
-  if constexpr (std::is_same_v<T, float>) {
+template <typename C>
+PD_INLINE const float* as_float(const C* row, int64_t n, float* buf) {
+  if constexpr (std::is_same_v<C, float>) {
     return row;
   } else {
-    for (int64_t d = 0; d < n; ++d) buf[d] = static_cast<float>(row[d]);
+    for (int64_t d = 0; d < n; ++d) buf[d] = to_f(row[d]);
     return buf;
   }
 }
@@ -87,7 +110,7 @@ PD_INLINE void value_chunk(const float* p, const T* vp, int64_t vs0, const int64
       if constexpr (std::is_same_v<T, float>) {
         vc[c] = load8(vr + 8 * c);
       } else {
-        for (int j = 0; j < 8; ++j) vc[c][j] = static_cast<float>(vr[8 * c + j]);
+        for (int j = 0; j < 8; ++j) vc[c][j] = to_f(vr[8 * c + j]);
       }
     }
     for (int g = 0; g < GT; ++g) {
@@ -111,7 +134,7 @@ PD_INLINE void value_rows(const float* p, const T* vp, int64_t vs0, const int64_
   for (; c0 < Dv; ++c0)
     for (int g = 0; g < GT; ++g) {
       float s = 0.f;
-      for (int64_t l = 0; l < n; ++l) s += p[g * n + l] * static_cast<float>(vp[row[l] * vs0 + c0]);
+      for (int64_t l = 0; l < n; ++l) s += p[g * n + l] * to_f(vp[row[l] * vs0 + c0]);
       out[g * Dv + c0] = s;
     }
 }
@@ -136,9 +159,9 @@ PD_INLINE float softmax_numerators(float* score, int64_t n) {
   return total;
 }
 
-template <int GT, typename T>
-PD_INLINE void attend_tile(const float* qf, int64_t Dk, int64_t Dv, const T* kp, int64_t ks0,
-                           const T* vp, int64_t vs0, const int64_t* row, int64_t n,
+template <int GT, typename T, typename C>
+PD_INLINE void attend_tile(const float* qf, int64_t Dk, int64_t Dv, const C* kp, int64_t ks0,
+                           const C* vp, int64_t vs0, const int64_t* row, int64_t n,
                            float* score, float* buf, float* acc, T* out) {
   score_rows<GT>(qf, Dk, kp, ks0, row, n, score, buf);
   float total[GT];
@@ -155,8 +178,8 @@ struct Shapes {
 // One (sequence, KV head): G queries over keys row[0:n], in tiles of up to 4 query heads.
 // qf: the G scaled queries [G, Dk]; score: room for [4, n]; acc: [4, Dv]; buf: [max(Dk, Dv)]
 // -> out [G, Dv].
-template <typename T>
-PD_MULTIVERSION void attend_one(const Shapes& z, const float* qf, const T* kp, const T* vp,
+template <typename T, typename C>
+PD_MULTIVERSION void attend_one(const Shapes& z, const float* qf, const C* kp, const C* vp,
                                 const int64_t* row, int64_t n, float* score, float* acc,
                                 float* buf, T* out) {
   const int64_t Dk = z.Dk, Dv = z.Dv;
@@ -172,7 +195,7 @@ PD_MULTIVERSION void attend_one(const Shapes& z, const float* qf, const T* kp, c
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             const at::Tensor& slots, const at::Tensor& lo, const at::Tensor& hi, double scale,
             at::Tensor& out) {
@@ -180,8 +203,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  k.size(0),   k.stride(0), k.stride(1), v.stride(0), v.stride(1)};
   const int64_t B = q.size(0), G = z.G, Dk = z.Dk, Dv = z.Dv;
   const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
+  const C* kp = reinterpret_cast<const C*>(k.data_ptr());
+  const C* vp = reinterpret_cast<const C*>(v.data_ptr());
   T* op = out.data_ptr<T>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lop = lo.data_ptr<int64_t>();
@@ -193,7 +216,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       for (int64_t i = 0; i < G * Dk; ++i)
         qf[i] = static_cast<float>(qp[bh * G * Dk + i]) * static_cast<float>(scale);
       score.resize(4 * (hip[b] - lop[b]));
-      attend_one<T>(z, qf.data(), kp + h * z.ks1, vp + h * z.vs1, sp + b * z.L + lop[b],
+      attend_one<T, C>(z, qf.data(), kp + h * z.ks1, vp + h * z.vs1, sp + b * z.L + lop[b],
                     hip[b] - lop[b], score.data(), acc.data(), buf.data(), op + bh * G * Dv);
     }
   });
@@ -205,8 +228,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
   TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.dim() == 3, "paged_decode: bad ranks");
   TORCH_CHECK(q.is_contiguous(), "paged_decode: q must be contiguous");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "paged_decode: channels must be contiguous");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-              "paged_decode: q, k, v dtypes differ");
+  const bool fp8 = k.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && (fp8 || k.scalar_type() == q.scalar_type()),
+              "paged_decode: k and v must be in q's dtype or both float8_e4m3fn");
   TORCH_CHECK(k.size(1) == q.size(1) && v.size(1) == q.size(1) && k.size(2) == q.size(3),
               "paged_decode: head shapes differ");
   TORCH_CHECK(v.size(0) == k.size(0), "paged_decode: k and v slot counts differ");
@@ -229,7 +253,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
   }
   auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(2)}, q.options());
   dispatch_float_types(q.scalar_type(), "paged_decode", [&](auto tag) {
-    attend<decltype(tag)>(q, k, v, slots, lo_c, hi_c, scale, out);
+    using T = decltype(tag);
+    if (fp8) {
+      attend<T, Fp8>(q, k, v, slots, lo_c, hi_c, scale, out);
+    } else {
+      attend<T, T>(q, k, v, slots, lo_c, hi_c, scale, out);
+    }
   });
   return out;
 }
