@@ -134,6 +134,7 @@ class LLMEngine:
         draft_pages: list[int] | None = None,
         first_logprob: TokenLogprob | None = None,
         text: TextState | None = None,
+        draft_feature: torch.Tensor | None = None,
     ) -> Sequence:
         """Queue a sequence whose prompt KV is already in ``pages`` of this pool.
 
@@ -142,7 +143,8 @@ class LLMEngine:
         so was ``first_logprob`` (required when ``params.logprobs`` is set). ``text``: the
         sequence's TextState when the caller already fed it the first token (streamed early);
         by default a fresh one (engine with a tokenizer). ``draft_pages``: the prompt's draft
-        KV, for an engine with a draft model (SpecEngine).
+        KV, for an engine with a draft model (SpecEngine); with an EAGLE head also
+        ``draft_feature``, the target's feature of the last prompt position [hidden].
         """
         self._validate(seq_id, prompt_ids, params)
         if params.logprobs is not None and first_logprob is None:
@@ -157,7 +159,7 @@ class LLMEngine:
         if params.logprobs is not None:
             seq.logprobs.append(first_logprob)  # reported with the first token at admission
         seq.text = text if text is not None else self._text_state(params)
-        self._adopt_draft_pages(seq, draft_pages)
+        self._adopt_draft_pages(seq, draft_pages, draft_feature)
         self.seqs[seq_id] = seq
         self.waiting.append(seq)
         return seq
@@ -169,7 +171,7 @@ class LLMEngine:
         if draft_pages is not None:
             raise ValueError("this engine has no draft model: draft_pages must be None")
 
-    def _adopt_draft_pages(self, seq: Sequence, draft_pages: list[int] | None) -> None:
+    def _adopt_draft_pages(self, seq: Sequence, draft_pages, feature=None) -> None:
         pass
 
     def abort(self, seq_id: str) -> Sequence | None:

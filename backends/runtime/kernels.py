@@ -2,10 +2,11 @@
 
 Three settings, read from the environment when a model loads (``KernelSettings.from_env``):
 
-* ``PD_RUNTIME_LINEAR`` = ``auto`` (default) | ``torch``. ``auto``: on a float32, bfloat16 or
-  float16 CPU model, up to ``SMALL_ROWS`` rows (decode) run the runtime's C++ small-row kernel
-  (``linear_small`` in :mod:`backends.runtime.cpu_kernels`: each weight row streamed from memory
-  once for all the rows, with prefetch; half weights widened as they are loaded); more rows
+* ``PD_RUNTIME_LINEAR`` = ``auto`` (default) | ``mkl`` | ``torch``. ``auto``: on a float32,
+  bfloat16 or float16 CPU model, up to ``SMALL_ROWS`` rows (decode) run the runtime's C++
+  small-row kernel (``linear_small`` in :mod:`backends.runtime.cpu_kernels`: each weight row
+  streamed from memory once for all the rows, with prefetch; half weights widened as they are
+  loaded); more rows
   (prefill) run torch's ``F.linear`` (MKL's sgemm), in bfloat16 on a CPU without bf16 GEMM
   instructions on the operands widened to float32 (``slow_bf16_gemm``). Elsewhere ``F.linear``.
   Measured on the 2-core AVX2 CI machine (``scripts/bench/bench_linear.py``: SmolLM2's 30
@@ -16,6 +17,13 @@ Three settings, read from the environment when a model loads (``KernelSettings.f
   oneDNN / MKL, 4096 rows 5353 / 4968), so the one plain weight copy serves both. bfloat16,
   small-row kernel / ``F.linear`` in bf16 / widened: 1 row 13.4 / 15.5 / 41.2; 8 rows 28.0 /
   109.6 / 77.1; 32 rows 95.2 / 431.8 / 114.8; 512 rows - / 5439 / 667.
+  On a CPU with AVX-512 (``torch.backends.cpu.get_cpu_capability()``), float32 weights also keep
+  oneDNN's pre-packed copy (one more copy of the linear weights in memory), which runs from
+  ``PACKED_FROM_ROWS`` rows on: measured on the 2-core AVX-512 host (same bench, float32, ms,
+  small-row / packed / ``F.linear``): 1 row 23.4 / 28.2 / 47.9; 2 rows 23.4 / 27.2 / 88.6;
+  4 rows 31.6 / 24.6 / 65.3; 8 rows 46.2 / 32.9 / 79.8; 64 rows 164.6 / 100.2 / 175.3; 512 rows
+  - / 524.2 / 718.1 (the AVX2 host above measured MKL ahead at prefill sizes).
+  ``mkl``: ``auto`` without the packed copy (small-row kernel, then ``F.linear``) on every host.
   ``torch``: always ``F.linear``.
 * ``PD_RUNTIME_ATTENTION`` = ``auto`` (default) | ``sdpa`` | ``compiled``: attention.
   ``auto``: on CPU the runtime's C++ kernels (:mod:`backends.runtime.cpu_kernels`): decode
@@ -44,7 +52,7 @@ import torch.nn.functional as F
 
 from .cpu_kernels import cpu_ops
 
-LINEAR_CHOICES = ("auto", "torch")
+LINEAR_CHOICES = ("auto", "mkl", "torch")
 ATTENTION_CHOICES = ("auto", "sdpa", "compiled")
 FUSED_CHOICES = ("auto", "torch")
 
@@ -96,7 +104,7 @@ SMALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def small_linear_op(weight: torch.Tensor, settings: KernelSettings):
     """``torch.ops.pd_runtime.linear_small`` for ``weight``, or None where F.linear runs: off
     CPU, not float32 / bfloat16 / float16, ``PD_RUNTIME_LINEAR=torch``, no compiler."""
-    if settings.linear != "auto" or weight.device.type != "cpu":
+    if settings.linear not in ("auto", "mkl") or weight.device.type != "cpu":
         return None
     if weight.dtype not in SMALL_DTYPES:
         return None
@@ -123,6 +131,21 @@ def slow_bf16_gemm() -> bool:
         return True
 
 
+PACKED_FROM_ROWS = 3  # AVX-512 hosts: oneDNN's packed GEMM from this many rows (crossover: 2-4)
+
+
+def packed_weight(weight: torch.Tensor, settings: KernelSettings) -> torch.Tensor | None:
+    """oneDNN's pre-packed copy of ``weight`` where ``auto`` runs it (float32 on a CPU with
+    AVX-512, where it is the fastest GEMM from ``PACKED_FROM_ROWS`` rows), else None."""
+    if settings.linear != "auto" or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+
+
 class Linear:
     """``y = x @ weight.T + bias`` for x: [T, K] -> [T, N], on the fastest path for its device."""
 
@@ -139,10 +162,14 @@ class Linear:
             and weight.dtype in (torch.bfloat16, torch.float16)
             and slow_half_gemm(weight.dtype)
         )
+        self.packed = packed_weight(weight, settings)
+        self.small_rows = SMALL_ROWS if self.packed is None else PACKED_FROM_ROWS - 1
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small is not None and x.dim() == 2 and x.shape[0] <= SMALL_ROWS:
+        if self.small is not None and x.dim() == 2 and x.shape[0] <= self.small_rows:
             return self.small(x, self.weight, self.bias)
+        if self.packed is not None and x.dim() == 2:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.widen:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)

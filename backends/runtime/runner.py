@@ -183,13 +183,15 @@ class ModelRunner:
         seqs: list[SeqInput],
         groups: list[tuple[int, int]] | None = None,
         on_group: Callable[[int, int], None] | None = None,
-    ) -> torch.Tensor:
+        features: bool = False,
+    ):
         """Run every sequence's new tokens in ONE forward, layer group by layer group (a
         prompt's later chunk reads its earlier chunks' KV from the pool through its pages).
 
         After each group (a, b) the KV of layers [a, b) of every sequence is in the pool and
         ``on_group(a, b)`` is called. Returns each sequence's last position's logits
-        [B, vocab] float32.
+        [B, vocab] float32; with ``features`` also each sequence's final-norm hidden states
+        (as :meth:`forward`).
         """
         self._check_pool(pool)
         if not seqs or any(not s.token_ids for s in seqs):
@@ -202,27 +204,34 @@ class ModelRunner:
             if on_group is not None:
                 on_group(a, b)
         ends = torch.tensor(meta.lengths, device=self.device).cumsum(0) - 1  # [B]
+        if features:
+            normed = self.model.norm(h)
+            return self.model.head()(normed[ends]).float(), list(normed.split(meta.lengths))
         return self.model.logits(h[ends])  # [B, vocab]
 
     @torch.inference_mode()
     def forward(
-        self, pool: KVPool, seqs: list[SeqInput], last_only: bool = False
-    ) -> list[torch.Tensor]:
+        self, pool: KVPool, seqs: list[SeqInput], last_only: bool = False, features: bool = False
+    ):
         """Batched extend: per sequence logits [len(token_ids), vocab] float32.
 
         ``last_only``: only each sequence's last position, [1, vocab] (skips the LM head on the
         others; a draft model catching up several tokens needs only the last one).
+        ``features``: -> (the logits, per sequence the final-norm hidden states of every
+        position [len(token_ids), hidden]: what an EAGLE head reads), from the same forward.
         """
         self._check_pool(pool)
         meta = self._meta(pool, [(s.start_pos, len(s.token_ids), s.pages) for s in seqs])
         ids = self._ids([t for s in seqs for t in s.token_ids])
         h = self.model.embed(ids)  # [T, hidden]
         h = self.model.run_layers(h, meta, pool.tensor, 0, self.config.num_layers)
+        normed = self.model.norm(h)  # [T, hidden]
         if last_only:
             ends = torch.tensor(meta.lengths, device=self.device).cumsum(0) - 1  # [B]
-            return list(self.model.logits(h[ends]).split(1))  # B x [1, vocab]
-        logits = self.model.logits(h)  # [T, vocab]
-        return list(logits.split(meta.lengths))
+            logits = list(self.model.head()(normed[ends]).float().split(1))  # B x [1, vocab]
+        else:
+            logits = list(self.model.head()(normed).float().split(meta.lengths))  # [T, vocab]
+        return (logits, list(normed.split(meta.lengths))) if features else logits
 
     @torch.inference_mode()
     def decode(

@@ -51,6 +51,9 @@ class Sequence:
     # speculative decoding (backends.runtime.spec): the draft model's pages and KV progress
     draft_pages: list[int] = field(default_factory=list)
     draft_len: int = 0  # positions [0, draft_len) hold valid draft KV
+    # EAGLE head: the target's features of positions [draft_len, draft_len + len) not yet fed
+    # to the head (None: this sequence has no head state and does not draft)
+    draft_feats: torch.Tensor | None = None
     num_proposed: int = 0  # draft tokens proposed / accepted, target verify steps
     num_accepted: int = 0
     num_verify_steps: int = 0

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .eagle import EagleHead, head_config
 from .engine import LLMEngine, StepOutput
 from .kv_pool import KVPool
 from .runner import ModelRunner, SeqInput
@@ -81,6 +82,8 @@ def load_draft(
         raise ValueError("give exactly one of a draft checkpoint path or self-draft num_layers")
     if num_layers is not None:
         return self_draft(target, num_layers)
+    if head_config(path) is not None:  # an EAGLE head (spec_eagle.spec_engine runs it)
+        return EagleHead.load_head(path, target)
     kv = "auto" if target.kv_dtype == target.dtype else target.kv_dtype  # fp8: its own scales
     draft = ModelRunner.load(path, dtype=target.dtype, device=str(target.device),
                              tensor_parallel_size=tensor_parallel_size,
@@ -272,7 +275,7 @@ class SpecEngine(LLMEngine):
         if draft_pages is not None:
             self.draft.pool.check_holds(prompt_tokens, draft_pages, "draft ")
 
-    def _adopt_draft_pages(self, seq: Sequence, draft_pages: list[int] | None) -> None:
+    def _adopt_draft_pages(self, seq: Sequence, draft_pages, feature=None) -> None:
         if draft_pages is not None:
             seq.draft_pages = list(draft_pages)
             seq.draft_len = len(seq.prompt_ids)
@@ -357,7 +360,7 @@ class SpecEngine(LLMEngine):
             SeqInput([s.output_ids[-1]] + d, s.num_tokens - 1, s.pages)
             for s, d in zip(decoding, drafts, strict=True)
         ]
-        logits = self.runner.forward(self.pool, inputs)  # per seq [k_i + 1, V]
+        logits = self._verify_logits(decoding, inputs)  # per seq [k_i + 1, V]
         penalised = _penalised_rows(decoding, logits, drafts)
         done: list[tuple[int, list[int], int]] = []  # (index in decoding, emitted, accepted)
         for i, (seq, lg, d, q) in enumerate(zip(decoding, penalised, drafts, qs, strict=True)):
@@ -375,15 +378,11 @@ class SpecEngine(LLMEngine):
         for (i, tokens, m), lp in zip(done, lps, strict=True):
             self._accept(decoding[i], tokens, m, len(drafts[i]), out, lp)
 
-    def _accept(
-        self,
-        seq: Sequence,
-        tokens: list[int],
-        m: int,
-        proposed: int,
-        out: StepOutput,
-        logprobs: list[TokenLogprob | None] | None = None,
-    ) -> None:
+    def _verify_logits(self, seqs: list[Sequence], inputs: list[SeqInput]) -> list:
+        return self.runner.forward(self.pool, inputs)
+
+    def _accept(self, seq: Sequence, tokens: list[int], m: int, proposed: int, out: StepOutput,
+                logprobs: list[TokenLogprob | None] | None = None) -> None:  # fmt: skip
         # draft KV is valid only where the fed tokens were accepted
         seq.draft_len = min(seq.draft_len, seq.num_tokens + m)
         seq.num_proposed += proposed

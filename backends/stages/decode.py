@@ -2,9 +2,9 @@
 
 One :class:`DecodeWorker` per decode instance owns the model runner, its KV pool, a
 :class:`~kvtransfer.KVReceiver` and an :class:`~backends.runtime.engine.LLMEngine` driven by ONE
-background thread. With ``spec_enabled`` it also owns the draft model and its KV pool, registers
-pages of both pools (kvtransfer entries ``target`` and ``draft``) and runs a
-:class:`~backends.runtime.spec.SpecEngine` that starts from the transferred draft KV.
+background thread. With ``spec_enabled`` it also owns the draft (a model or an EAGLE head) and its
+pool, registers pages of both (entries ``target`` and ``draft``) and runs a speculative engine
+(``spec_engine``) from the transferred draft KV (a head: and the last prompt feature).
 
 Per request (:meth:`DecodeWorker.submit`, any thread):
 
@@ -38,7 +38,8 @@ from ..runtime.detok import TextState
 from ..runtime.engine import LLMEngine, StepOutput
 from ..runtime.runner import ModelRunner
 from ..runtime.sequence import check_context
-from ..runtime.spec import DraftSpec, SpecEngine
+from ..runtime.spec import DraftSpec
+from ..runtime.spec_eagle import spec_engine
 from ..runtime.tokenizer import Tokenizer, has_tokenizer
 from . import errors
 from .cancel import CancelListener
@@ -48,7 +49,7 @@ from .decode_state import ActiveRequest, DecodeEvent, Emit, Phase
 from .draft import DRAFT, explain_failure, load_stage_draft, make_draft_pool, spec_stats
 from .latency import Observations
 from .params import StageParams
-from .request import StageRequest, first_logprob
+from .request import StageRequest, draft_feature, first_logprob
 from .tp import close_ranks, load_stage_model, rank_agents
 from .trace import TraceWriter
 
@@ -79,7 +80,7 @@ class DecodeWorker(DecodeControl, DecodeFailover):
         else:
             self.pools[DRAFT] = make_draft_pool(params, self.draft)
             spec = DraftSpec(self.draft, self.pools[DRAFT], params.spec_tokens)
-            self.engine = SpecEngine(self.runner, self.pool, spec, *size, tokenizer=self.tok)
+            self.engine = spec_engine(self.runner, self.pool, spec, *size, tokenizer=self.tok)
         cfg = params.transfer_config()
         runners = {"target": self.runner, DRAFT: self.draft}
         self.agents = rank_agents(cfg, cfg.staging_recv_slots, runners, self.pools)
@@ -133,9 +134,7 @@ class DecodeWorker(DecodeControl, DecodeFailover):
         if req.sampling.stop and self.tok is None:
             raise ValueError("stop strings need a tokenizer: this model directory has none")
 
-    def submit(
-        self, req: StageRequest, emit: Emit, is_cancelled: Callable[[], bool] | None = None
-    ) -> None:
+    def submit(self, req: StageRequest, emit: Emit, is_cancelled: Callable[[], bool] | None = None):
         """Queue a request; raises ValueError (invalid: nothing queued) or errors.Overloaded.
         A room id already in use is refused without touching the request that owns it."""
         r = ActiveRequest(req, emit, is_cancelled)
@@ -326,7 +325,7 @@ class DecodeWorker(DecodeControl, DecodeFailover):
             try:
                 first, extra = self.receiver.result(room)
                 self.receiver.forget(room)
-                self._add_prefilled(r, first, first_logprob(extra, first, r.req.sampling))
+                self._add_prefilled(r, first, extra)
             except Exception as e:
                 self._free(r)
                 self._finish(r, error=f"decode could not take the prefilled request: {e}")
@@ -334,12 +333,12 @@ class DecodeWorker(DecodeControl, DecodeFailover):
             r.phase = Phase.RUNNING
             self._running[r.seq_id] = r
 
-    def _add_prefilled(self, r: ActiveRequest, first: int, logprob=None) -> None:
+    def _add_prefilled(self, r: ActiveRequest, first: int, extra: dict) -> None:
         """Hand the request to the engine, which owns (and frees) its pages from then on."""
-        self.engine.add_prefilled(
-            r.seq_id, r.req.prompt_ids, r.pages["target"], first, r.req.sampling,
-            draft_pages=r.pages.get(DRAFT), first_logprob=logprob, text=r.text,
-        )  # fmt: skip
+        lp, feature = first_logprob(extra, first, r.req.sampling), draft_feature(extra)
+        self.engine.add_prefilled(r.seq_id, r.req.prompt_ids, r.pages["target"], first,
+                                  r.req.sampling, draft_pages=r.pages.get(DRAFT), first_logprob=lp,
+                                  text=r.text, draft_feature=feature)  # fmt: skip
         r.pages = {}
 
     def _free(self, r: ActiveRequest) -> None:

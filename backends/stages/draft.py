@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime.eagle import head_config
 from ..runtime.kv_pool import KVPool
 from ..runtime.runner import ModelRunner
 from ..runtime.spec import load_draft
@@ -31,6 +32,9 @@ def load_stage_draft(params: StageParams, target: ModelRunner) -> ModelRunner | 
     if not params.spec_enabled:
         return None
     if params.draft_path:
+        if head_config(params.draft_path) is not None and params.tensor_parallel_size > 1:
+            raise ValueError("an EAGLE head (draft_model_dir) reads the target's features, which"
+                             " tensor_parallel_size > 1 does not return yet")  # fmt: skip
         try:
             return load_draft(target, path=params.draft_path,
                               tensor_parallel_size=params.tensor_parallel_size)  # fmt: skip

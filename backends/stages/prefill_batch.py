@@ -22,10 +22,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
+from ..runtime.eagle import EagleHead
 from ..runtime.runner import SeqInput
 from ..runtime.sampler import sample, token_logprobs
 from .draft import DRAFT, copy_prefix_kv
-from .request import StageRequest, logprob_extra
+from .request import FEATURE_KEY, StageRequest, logprob_extra
 
 Groups = list[tuple[int, int]]
 
@@ -44,6 +47,16 @@ class Member:
     first_token: int | None = None
     extra: dict = field(default_factory=dict)  # Complete's extra (the first token's logprobs)
     error: Exception | None = None
+
+
+def _head_prompt(worker, live: list[Member], feats: dict) -> None:
+    run = [m for m in live if len(m.req.prompt_ids) > 1]  # pairs (f_i, x_{i+1}), i < P - 1
+    if run:
+        seqs = [SeqInput(m.req.prompt_ids[1:], 0, m.pages[DRAFT]) for m in run]
+        f = [feats[id(m)][:-1] for m in run]
+        worker.draft.forward_head(worker.draft_pool, seqs, f, logits=False)
+    for m in live:
+        m.extra[FEATURE_KEY] = feats[id(m)][-1].float().tolist()
 
 
 def take(ready: deque[int], tokens_of: Callable[[int], int | None], budget: int) -> list[int]:
@@ -96,30 +109,40 @@ def compute(worker, members: list[Member], groups: Groups | None = None) -> None
 
     seqs = [SeqInput(m.req.prompt_ids, 0, m.pages["target"]) for m in members]
     worker.counters["batches"] += 1
+    head = isinstance(worker.draft, EagleHead)  # it reads the target's features
     try:
+        early: list = []
         if len(members) == 1 and len(members[0].req.prompt_ids) > budget:  # chunked prefill
-            seqs = [_earlier_chunks(worker, members[0], budget)]
+            last, early = _earlier_chunks(worker, members[0], budget, head)
+            seqs = [last]
         total = sum(len(s.token_ids) for s in seqs)
         groups = groups or worker.policy.groups(total, n_layers)
-        logits = runner.prefill_batch(worker.pool, seqs, groups, on_group)  # [B, vocab]
+        out = runner.prefill_batch(worker.pool, seqs, groups, on_group, features=head)
+        logits, feats = out if head else (out, None)  # [B, vocab]; per room [P, hidden]
+        if early:
+            feats = [torch.cat([*early, *feats])]
     except Exception as e:  # the forward failed, or no room is left: every live room fails
         for m in list(live):
             drop(m, e)
         return
     _first_tokens(worker, members, live, logits, drop)
-    _draft(worker, live, drop)
+    _draft(worker, live, drop, dict(zip(map(id, members), feats or [], strict=False)))
 
 
-def _earlier_chunks(worker, m: Member, budget: int) -> SeqInput:
+def _earlier_chunks(worker, m: Member, budget: int, features: bool):
     """Prefill every chunk of ``m``'s prompt but the last (no streaming: later chunks rewrite
-    nothing, but a layer's KV is complete only after the last chunk); the last chunk's input."""
+    nothing, but a layer's KV is complete only after the last chunk). -> (the last chunk's
+    input, the earlier chunks' features when asked for)."""
     ids, pages = m.req.prompt_ids, m.pages["target"]
-    *head, (a, b) = chunks(len(ids), budget)
-    for c0, c1 in head:
-        worker.runner.prefill_batch(worker.pool, [SeqInput(ids[c0:c1], c0, pages)])
+    *first, (a, b) = chunks(len(ids), budget)
+    feats = []
+    for c0, c1 in first:
+        out = worker.runner.prefill_batch(worker.pool, [SeqInput(ids[c0:c1], c0, pages)],
+                                          features=features)  # fmt: skip
+        feats += out[1] if features else []
         if not worker.sender.is_live(m.req.room):
             raise RoomGone("the room ended while prefill computed it")
-    return SeqInput(ids[a:b], a, pages)
+    return SeqInput(ids[a:b], a, pages), feats
 
 
 def _first_tokens(worker, members, live, logits, drop) -> None:
@@ -143,11 +166,15 @@ def _first_tokens(worker, members, live, logits, drop) -> None:
             drop(m, e)
 
 
-def _draft(worker, live: list[Member], drop) -> None:
-    """The draft's prompt KV of every room still live (entry ``draft``), then Complete."""
+def _draft(worker, live: list[Member], drop, feats: dict) -> None:
+    """The draft's prompt KV of every room still live (entry ``draft``), then Complete; an
+    EAGLE head's: its pairs of the prompt's features ``feats`` (id(member) -> [P, hidden])
+    and tokens, and Complete carries the last prompt position's feature."""
     if worker.draft is not None and live:
         try:
-            if worker.draft_is_prefix:
+            if feats:
+                _head_prompt(worker, live, feats)
+            elif worker.draft_is_prefix:
                 for m in live:
                     target, draft = m.pages["target"], m.pages[DRAFT]
                     copy_prefix_kv(worker.pool, target, worker.draft_pool, draft)

@@ -89,6 +89,18 @@ def first_logprob(extra: dict, token: int, sampling: SamplingParams) -> TokenLog
     return TokenLogprob(token, float(extra["lp"]), top, int(extra.get("lp_rank", 0)))
 
 
+FEATURE_KEY = "draft_feature"  # Complete.extra: an EAGLE head's last-prompt-position feature
+
+
+def draft_feature(extra: dict):
+    """An EAGLE head's input from prefill's Complete: the target's feature of the last prompt
+    position (``extra["draft_feature"]``, float32 values) as a tensor, or None (no head)."""
+    import torch
+
+    values = extra.get(FEATURE_KEY)
+    return None if values is None else torch.tensor(values, dtype=torch.float32)
+
+
 def new_room() -> int:
     """A random 63-bit bootstrap room (fits INT64, never 0)."""
     return secrets.randbits(63) or 1

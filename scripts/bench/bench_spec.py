@@ -32,6 +32,7 @@ from backends.runtime.engine import LLMEngine  # noqa: E402
 from backends.runtime.runner import ModelRunner  # noqa: E402
 from backends.runtime.sampler import SamplingParams  # noqa: E402
 from backends.runtime.spec import DraftSpec, SpecEngine, load_draft  # noqa: E402
+from backends.runtime.spec_eagle import spec_engine  # noqa: E402
 from backends.runtime.tokenizer import Tokenizer  # noqa: E402
 from backends.stages.params import StageParams  # noqa: E402
 
@@ -77,10 +78,31 @@ def measure(make_engine, prompts, args) -> dict:
     return res | {"outputs": outputs}
 
 
+def summary(rows: list[dict]) -> dict:
+    """The headline of the first draft configuration with the most spec tokens: tokens per
+    verify step, acceptance rate and speedup at batch 1 and 8 (where measured)."""
+    spec = [r for r in rows if "speedup" in r]
+    if not spec:
+        return {}
+    name = max(spec, key=lambda r: int(r["config"].rsplit("k=", 1)[1]))["config"]
+    pick = {r["batch"]: r for r in spec if r["config"] == name}
+    first = pick[min(pick)]
+    out = {"config": name, "tokens_per_step": first["mean_accepted_length"],
+           "acceptance_rate": first["acceptance_rate"]}  # fmt: skip
+    for b in (1, 8):
+        if b in pick:
+            out[f"speedup_batch{b}"] = pick[b]["speedup"]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="models/smollm2-135m-instruct")
-    ap.add_argument("--draft", default=None, help="draft checkpoint directory (else self-draft)")
+    ap.add_argument("--draft", default=None,
+                    help="draft checkpoint or EAGLE head directory (else self-draft)")  # fmt: skip
+    ap.add_argument("--held-out", type=int, default=0,
+                    help="N held-out prompts of scripts/eagle_data.py (the heads' evaluation"
+                    " split) instead of the 8 fixed ones")  # fmt: skip
     ap.add_argument("--draft-layers", type=int, nargs="+", default=[28], help="self-draft K")
     ap.add_argument("--spec-tokens", type=int, nargs="+", default=[1, 2], help="k per step")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -111,6 +133,12 @@ def main(argv=None) -> int:
         texts = [
             torch.randint(3, vocab, (args.random_prompts,), generator=g).tolist() for _ in range(8)
         ]
+    elif args.held_out:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+        import eagle_data
+
+        convs = eagle_data.prompts(args.held_out, seed=1, held_out=True)
+        texts = eagle_data.encode(Tokenizer(args.model), convs)
     else:
         tok = Tokenizer(args.model)
         texts = [tok.encode(t, chat=True) for t in PROMPTS]
@@ -131,7 +159,7 @@ def main(argv=None) -> int:
                 def spec(draft=draft, k=k, pages=pages, b=b):
                     dpool = draft.make_pool(pages, args.page_size, role="draft")
                     pool = target.make_pool(pages, args.page_size)
-                    return SpecEngine(target, pool, DraftSpec(draft, dpool, k), max_batch=b)
+                    return spec_engine(target, pool, DraftSpec(draft, dpool, k), max_batch=b)
 
                 res = measure(spec, prompts, args)
                 res["speedup"] = res["decode_tok_s"] / base["decode_tok_s"]
@@ -142,7 +170,7 @@ def main(argv=None) -> int:
         r.pop("outputs")
     meta = run_meta(args, max_tokens=args.max_tokens, target_layers=target.config.num_layers)
     if args.json:
-        print(json.dumps({"meta": meta, "results": rows}))
+        print(json.dumps({"meta": meta, **summary(rows), "results": rows}))
         return 0
     print(
         f"decode tokens/s, median of {args.runs} runs ({args.device}, {args.dtype}, "

@@ -1,0 +1,66 @@
+"""EAGLE heads for the tests: random ones (losslessness must not depend on head quality)."""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+
+from backends.runtime.config import ModelConfig
+from backends.runtime.eagle import head_checkpoint_config, save_head
+
+_HEADS: dict = {}
+
+
+def random_head(target_ckpt: str, draft_vocab: int | None = None, seed: int = 0) -> str:
+    """A head directory with random weights for ``target_ckpt`` (4 heads of 16, 2 KV heads);
+    ``draft_vocab`` D: a reduced vocabulary of D target ids (every other id from 3 on)."""
+    key = (target_ckpt, draft_vocab, seed)
+    if key in _HEADS:
+        return _HEADS[key]
+    cfg = ModelConfig.from_pretrained(target_ckpt)
+    H, heads, kv, hd, inter = cfg.hidden_size, 4, 2, 16, 2 * cfg.hidden_size
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, scale=0.1):
+        return scale * torch.randn(*shape, generator=g)
+
+    p = "model.layers.0."
+    t = {
+        "fc.weight": w(H, 2 * H, scale=0.5 / H**0.5),
+        p + "input_layernorm.weight": torch.ones(H),
+        p + "post_attention_layernorm.weight": torch.ones(H),
+        p + "self_attn.q_proj.weight": w(heads * hd, H),
+        p + "self_attn.k_proj.weight": w(kv * hd, H),
+        p + "self_attn.v_proj.weight": w(kv * hd, H),
+        p + "self_attn.o_proj.weight": w(H, heads * hd),
+        p + "mlp.gate_proj.weight": w(inter, H), p + "mlp.up_proj.weight": w(inter, H),
+        p + "mlp.down_proj.weight": w(H, inter),
+    }  # fmt: skip
+    if draft_vocab:
+        t["lm_head.weight"] = w(draft_vocab, H, scale=1.0)
+        t["draft_to_target"] = torch.arange(3, 3 + 2 * draft_vocab, 2)
+    path = tempfile.mkdtemp(prefix="eagle_head_")
+    save_head(path, head_checkpoint_config(cfg, heads, kv, hd, inter, draft_vocab), t)
+    _HEADS[key] = path
+    return path
+
+
+def trained_head(target_ckpt: str, draft_vocab: int = 96) -> str:
+    """A head trained by scripts/train_eagle.py for a few seconds on ``target_ckpt`` (a tiny
+    model: random prompts, its own greedy responses); cached per process."""
+    import importlib
+    import os
+    import sys
+
+    key = ("trained", target_ckpt, draft_vocab)
+    if key not in _HEADS:
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+        te = importlib.import_module("train_eagle")
+        path = tempfile.mkdtemp(prefix="eagle_trained_")
+        te.main(["--target", target_ckpt, "--out", path, "--prompts", "48", "--eval-prompts",
+                 "8", "--max-tokens", "16", "--draft-vocab", str(draft_vocab), "--heads", "4",
+                 "--kv-heads", "2", "--head-dim", "16", "--intermediate", "96", "--epochs", "8",
+                 "--lr", "3e-3", "--minutes", "0.5"])  # fmt: skip
+        _HEADS[key] = path
+    return _HEADS[key]

@@ -1,0 +1,155 @@
+"""EAGLE heads (backends/runtime/eagle.py, spec_eagle.py): greedy speculative decoding with a
+head emits exactly the target-only greedy tokens (random heads, full and reduced vocabulary; a
+GQA and an MLA target); the target's features are the final-norm hidden states of the very
+forward that gives the logits; the head's state survives mixed accepted lengths."""
+
+from __future__ import annotations
+
+import pytest
+import runtime_models as rm
+import spec_models as sm
+import torch
+from eagle_heads import random_head, trained_head
+
+from backends.runtime.eagle import EagleHead, head_identity
+from backends.runtime.runner import SeqInput
+from backends.runtime.sequence import FinishReason
+from backends.runtime.spec import DraftSpec, load_draft
+from backends.runtime.spec_eagle import EagleSpecEngine, spec_engine
+
+PROMPTS = [rm.random_prompt(n, seed=n) for n in (1, 4, 9, 14, 6)]
+MAX_TOKENS = [20, 9, 16, 3, 12]
+
+
+def _engine(target, head_dir: str, k: int = 3):
+    head = load_draft(target, path=head_dir)
+    assert isinstance(head, EagleHead)
+    dspec = DraftSpec(head, head.make_pool(64, 4, role="draft"), k)
+    engine = spec_engine(target, target.make_pool(64, 4), dspec)
+    assert isinstance(engine, EagleSpecEngine)
+    return engine
+
+
+@pytest.mark.parametrize("kind,vocab", [("llama", None), ("llama", 64), ("deepseek_v3", 64)])
+def test_head_greedy_equals_target_only(kind, vocab, llama, mla):
+    target = llama if kind == "llama" else mla
+    engine = _engine(target, random_head(rm.checkpoint(kind), vocab))
+    reqs = [(p, sm.greedy(m)) for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    seqs = engine.generate(reqs)
+    for (p, sp), s in zip(reqs, seqs, strict=True):
+        assert s.output_ids == sm.reference(target, p, sp), p
+        assert s.finish_reason == FinishReason.LENGTH
+        assert s.draft_len + len(s.draft_feats) == s.num_tokens - 1  # the head's invariant
+    assert engine.stats.proposed > 0 and engine.stats.verify_steps > 0
+    assert engine.pool.num_free == 64 and engine.draft.pool.num_free == 64
+
+
+def test_head_that_predicts_the_target_accepts_and_stays_lossless(llama):
+    """A head whose LM head is the target's argmax at the next position is impossible to build
+    from random weights; instead the target itself is the 'head' check: a head whose drafts
+    always equal the target's greedy choice (patched proposals) accepts every draft and the
+    output is still the target-only output, with the feature invariant kept."""
+    engine = _engine(llama, random_head(rm.checkpoint("llama")))
+    pairs = zip(PROMPTS, MAX_TOKENS, strict=True)
+    ref = {tuple(p): sm.reference(llama, p, sm.greedy(m)) for p, m in pairs}
+    propose = engine._propose
+
+    def oracle(seqs, ks):
+        drafts, qs = propose(seqs, ks)  # runs the head (its KV and state as usual)
+        for s, d in zip(seqs, drafts, strict=True):
+            full = ref[tuple(s.prompt_ids)]
+            at = len(s.output_ids)
+            d[:] = (full[at:] + [0] * len(d))[: len(d)]
+        return drafts, qs
+
+    engine._propose = oracle
+    seqs = engine.generate([(p, sm.greedy(m)) for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)])
+    for p, s in zip(PROMPTS, seqs, strict=True):
+        assert s.output_ids == ref[tuple(p)]
+        assert s.draft_len + len(s.draft_feats) == s.num_tokens - 1
+    assert engine.stats.acceptance_rate == 1.0
+
+
+def test_features_are_the_final_norm_hidden_states(llama):
+    prompt = rm.random_prompt(11, seed=3)
+    pool = llama.make_pool(8, 4)
+    pages = pool.alloc(3)
+    (logits,), (feats,) = llama.forward(pool, [SeqInput(prompt, 0, pages)], features=True)
+    h = llama.model.embed(torch.tensor(prompt))
+    meta = llama._meta(pool, [(0, len(prompt), pages)])
+    pool2 = llama.make_pool(8, 4)
+    h = llama.model.run_layers(h, meta, pool2.tensor, 0, llama.config.num_layers)
+    assert torch.equal(feats, llama.model.norm(h))  # bit for bit, float32
+    assert torch.equal(logits, llama.model.logits(h))
+
+
+def test_head_identity_and_bad_heads(llama, tmp_path):
+    import json
+    import shutil
+
+    a, b = random_head(rm.checkpoint("llama"), 64), random_head(rm.checkpoint("llama"), 64, 1)
+    assert head_identity(a) == head_identity(a) != head_identity(b)
+    cases = {"hidden_size": (72, "EAGLE head for hidden 72"),
+             "num_hidden_layers": (2, "one decoder layer")}  # fmt: skip
+    for i, (field, (value, words)) in enumerate(cases.items()):
+        bad = shutil.copytree(a, tmp_path / str(i))
+        cfg = json.loads((bad / "config.json").read_text())
+        cfg[field] = value
+        (bad / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ValueError, match=words):
+            load_draft(llama, path=str(bad))
+    cfg = json.loads((tmp_path / "0" / "config.json").read_text())
+    cfg["hidden_size"], cfg["eagle"]["draft_vocab_size"] = llama.config.hidden_size, 65
+    (tmp_path / "0" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="draft_vocab_size 65 but an LM head of 64 rows"):
+        load_draft(llama, path=str(tmp_path / "0"))
+
+
+def _train_eagle():
+    import importlib
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    return importlib.import_module("train_eagle")
+
+
+def test_training_module_equals_the_served_head(llama, tmp_path):
+    """The head train_eagle.py trains (transformers' Llama layer) and the head the runtime
+    serves from its checkpoint compute the same outputs and logits."""
+    from backends.runtime.eagle import head_checkpoint_config, save_head
+
+    te = _train_eagle()
+    args = te.parse_args(["--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                          "--intermediate", "96"])  # fmt: skip
+    vocab_ids = torch.arange(3, 131)
+    module = te.HeadModule(llama, args, vocab_ids)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # away from the identity start, so every weight matters
+        for p in module.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    cfg = head_checkpoint_config(llama.config, 4, 2, 16, 96, len(vocab_ids))
+    save_head(str(tmp_path), cfg, module.tensors(vocab_ids))
+    head = load_draft(llama, path=str(tmp_path))
+    tokens = torch.tensor([rm.random_prompt(10, seed=4)])
+    feats = torch.randn(1, 10, llama.config.hidden_size, generator=g)
+    with torch.no_grad():
+        want_logits, want_g = module(tokens, feats)
+    pool = head.make_pool(8, 4)
+    (got_logits,), (got_g,) = head.forward_head(
+        pool, [SeqInput(tokens[0].tolist(), 0, pool.alloc(3))], [feats[0]], last_only=False
+    )
+    torch.testing.assert_close(got_g, want_g[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_logits[:, vocab_ids], want_logits[0], atol=1e-4, rtol=1e-4)
+    assert bool(torch.isinf(got_logits[:, 0]).all())  # outside the draft vocabulary
+
+
+def test_train_eagle_end_to_end_on_a_tiny_target(llama):
+    """train_eagle.py for a few seconds on the tiny Llama: a checkpoint the engine loads, whose
+    speculative output equals target-only greedy, and whose drafts the target accepts."""
+    engine = _engine(llama, trained_head(rm.checkpoint("llama")))
+    reqs = [(p, sm.greedy(m)) for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    for (p, sp), s in zip(reqs, engine.generate(reqs), strict=True):
+        assert s.output_ids == sm.reference(llama, p, sp)
+    print(f"trained tiny head: {engine.stats.as_dict()}")
+    assert engine.stats.accepted > 0
