@@ -185,7 +185,7 @@ def main(argv=None) -> None:
             sched.step()
             step += 1
             bar.update()
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{hit:.2f}")
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{hit:.2f}", refresh=False)
             if time.time() > deadline:
                 break
         if time.time() > deadline:

@@ -48,24 +48,29 @@ PROMPTS = [
 ]
 
 
-def run_once(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list, dict]:
-    """-> (decode tokens/s, outputs, spec stats of this run)."""
+def run_once(engine, groups: list[list[list[int]]], max_tokens: int) -> tuple[float, list, dict]:
+    """Each group of prompts as one batch, the groups one after the other. -> (decode
+    tokens/s over all groups, outputs, spec stats of this run)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    seqs = [engine.add_request(f"b{i}", p, params) for i, p in enumerate(prompts)]
-    engine.step()  # admission: prefill + first token, not timed
     if isinstance(engine, SpecEngine):
         engine.stats = type(engine.stats)()
-    t = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-    dt = time.perf_counter() - t
+    dt, outputs, n = 0.0, [], 0
+    for g, prompts in enumerate(groups):
+        seqs = [engine.add_request(f"g{g}-{i}", p, params) for i, p in enumerate(prompts)]
+        engine.step()  # admission: prefill + first token, not timed
+        t = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        dt += time.perf_counter() - t
+        outputs += [s.output_ids for s in seqs]
+        n += len(prompts) * (max_tokens - 1)
     stats = engine.stats.as_dict() if isinstance(engine, SpecEngine) else {}
-    return len(prompts) * (max_tokens - 1) / dt, [s.output_ids for s in seqs], stats
+    return n / dt, outputs, stats
 
 
 def measure(make_engine, prompts, args) -> dict:
     engine = make_engine()
-    run_once(engine, prompts[:1], 4)  # warm up
+    run_once(engine, [prompts[0][:1]], 4)  # warm up
     rates, stats, outputs = [], [], None
     for _ in range(args.runs):
         rate, outputs, st = run_once(engine, prompts, args.max_tokens)
@@ -76,6 +81,33 @@ def measure(make_engine, prompts, args) -> dict:
         res["acceptance_rate"] = stats[-1]["acceptance_rate"]  # greedy: the same every run
         res["mean_accepted_length"] = stats[-1]["mean_accepted_length"]
     return res | {"outputs": outputs}
+
+
+def batches_of(texts: list[list[int]], b: int, held_out: int) -> list[list[list[int]]]:
+    """The batches of a batch size: every held-out prompt b at a time, else the first b
+    prompts (cycled) once."""
+    if held_out:
+        return [texts[i : i + b] for i in range(0, len(texts), b)]
+    return [[texts[i % len(texts)] for i in range(b)]]
+
+
+def pd_row(args, rows: list[dict], texts: list[list[int]]) -> dict:
+    """PD acceptance on the largest batch's prompts against the colocated run of the same
+    prompts, draft and k (greedy: both must also give the same tokens)."""
+    from spec_pd import pd_spec_stats
+
+    if not args.draft:
+        raise SystemExit("--pd needs --draft (a draft checkpoint or an EAGLE head)")
+    b, k = max(args.batches), max(args.spec_tokens)
+    colo = next(r for r in rows if r["batch"] == b and r["config"].endswith(f"k={k}"))
+    prompts = [p for group in batches_of(texts, b, args.held_out) for p in group]
+    pd = pd_spec_stats(args.model, args.draft, k, prompts, args.max_tokens, args.page_size)
+    log(f"PD batch {b} k={k}: acceptance {pd['acceptance_rate']:.3f}"
+        f" (colocated {colo['acceptance_rate']:.3f})")  # fmt: skip
+    return {"acceptance_pd": pd["acceptance_rate"],
+            "acceptance_pd_over_colocated": pd["acceptance_rate"] / colo["acceptance_rate"]
+            if colo["acceptance_rate"] else None,
+            "pd_same_tokens_as_colocated": pd["outputs"] == colo["outputs"]}  # fmt: skip
 
 
 def summary(rows: list[dict]) -> dict:
@@ -115,6 +147,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--random-prompts", type=int, default=0, help="N random token ids per prompt (no tokenizer)"
     )
+    ap.add_argument("--pd", action="store_true", help="also run the largest batch's prompts"
+                    " through a prefill and a decode stage (real Mooncake) with --draft and the"
+                    " largest k: acceptance_pd_over_colocated")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.threads:
@@ -144,7 +179,7 @@ def main(argv=None) -> int:
         texts = [tok.encode(t, chat=True) for t in PROMPTS]
     per_seq = -(-(max(map(len, texts)) + args.max_tokens) // args.page_size)
     for b in args.batches:
-        prompts = [texts[i % len(texts)] for i in range(b)]
+        prompts = batches_of(texts, b, args.held_out)
         pages = per_seq * b
 
         def plain(pages=pages, b=b):
@@ -166,11 +201,12 @@ def main(argv=None) -> int:
                 res["same"] = res["outputs"] == base["outputs"]
                 log(f"batch {b} {name} k={k}: {res['decode_tok_s']:.1f} tok/s")
                 rows.append({"config": f"{name} k={k}", "batch": b} | res)
+    pd = pd_row(args, rows, texts) if args.pd else {}
     for r in rows:
         r.pop("outputs")
     meta = run_meta(args, max_tokens=args.max_tokens, target_layers=target.config.num_layers)
     if args.json:
-        print(json.dumps({"meta": meta, **summary(rows), "results": rows}))
+        print(json.dumps({"meta": meta, **summary(rows), **pd, "results": rows}))
         return 0
     print(
         f"decode tokens/s, median of {args.runs} runs ({args.device}, {args.dtype}, "

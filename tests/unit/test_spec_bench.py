@@ -36,3 +36,24 @@ def test_bench_spec_json():
     full = rows[("self-draft K=4 k=2", 3)]  # the whole model as its own draft
     assert full["acceptance_rate"] == 1.0 and full["mean_accepted_length"] > 2
     assert rows[("self-draft K=1 k=2", 1)]["acceptance_rate"] < 0.5
+
+
+def test_bench_spec_eagle_head_with_pd_json():
+    """A head (--draft DIR) colocated at batch 1 and 2, then its batch-2 prompts through a
+    prefill and a decode stage: the headline keys, and PD gives the colocated tokens."""
+    from eagle_heads import trained_head
+
+    head = trained_head(rm.checkpoint("llama"))
+    args = f"--random-prompts 6 --batches 1 2 --draft {head} --spec-tokens 2 --max-tokens 8 --pd"
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "bench", "bench_spec.py"), "--model",
+         rm.checkpoint("llama"), *args.split(), "--runs", "1", "--page-size", "4", "--json"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout)
+    for key in ("tokens_per_step", "acceptance_rate", "speedup_batch1", "acceptance_pd",
+                "acceptance_pd_over_colocated"):  # fmt: skip
+        assert key in res, key
+    assert res["pd_same_tokens_as_colocated"] is True
+    assert all(r.get("same", True) for r in res["results"])
