@@ -14,7 +14,8 @@ transformers' Llama layer, the same math the runtime runs (checked by a test).
 
     .venv/bin/python scripts/train_eagle.py --out models/smollm2-135m-instruct-eagle
 
-(SmolLM2-135M on 2 cores: about 40 minutes with the defaults; ``--minutes`` caps training.)
+(SmolLM2-135M on 2 cores with the defaults: 14 minutes, of which the target's responses and
+features about 9 and training 4; ``--minutes`` caps training.)
 Prints one JSON line at the end: data sizes, times, and held-out teacher-forced accuracy.
 """
 
@@ -133,15 +134,15 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=os.path.join(ROOT, "models/smollm2-135m-instruct"))
     ap.add_argument("--out", default=os.path.join(ROOT, "models/smollm2-135m-instruct-eagle"))
-    ap.add_argument("--prompts", type=int, default=1200, help="training prompts")
-    ap.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts")
-    ap.add_argument("--max-tokens", type=int, default=128, help="response tokens per prompt")
+    ap.add_argument("--prompts", type=int, default=640, help="training prompts")
+    ap.add_argument("--eval-prompts", type=int, default=48, help="held-out prompts")
+    ap.add_argument("--max-tokens", type=int, default=96, help="response tokens per prompt")
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--intermediate", type=int, default=1536)
-    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--minutes", type=float, default=25.0, help="training time cap")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-4)

@@ -153,3 +153,48 @@ def test_train_eagle_end_to_end_on_a_tiny_target(llama):
         assert s.output_ids == sm.reference(llama, p, sp)
     print(f"trained tiny head: {engine.stats.as_dict()}")
     assert engine.stats.accepted > 0
+
+
+def test_sampling_with_a_head_follows_the_target_distribution(llama):
+    """Temperature > 0 through the head engine (prefilled prompt KV + the last feature, as PD
+    hands them over): the first token a speculative step emits follows the target's softmax,
+    not the head's. The head's logits are the target's next-position logits plus noise (a
+    random head would hardly ever overlap the target's top 5), through the real head call."""
+    from test_spec_sampling import CHI2_999, _chi2, _tv
+
+    from backends.runtime.sampler import SamplingParams
+    from backends.runtime.spec import probs
+
+    n, prompt, first = 1500, rm.random_prompt(6, seed=5), 7
+    head = load_draft(llama, path=random_head(rm.checkpoint("llama")))
+    dspec = DraftSpec(head, head.make_pool(n, 8, role="draft"), 2)
+    engine = spec_engine(llama, llama.make_pool(n, 8), dspec, max_batch=n)
+    (t_logits,), (f,) = llama.forward(engine.pool, [SeqInput(prompt + [first], 0, [0])],
+                                      features=True)  # fmt: skip
+    head.forward_head(dspec.pool, [SeqInput(prompt[1:], 0, [0])], [f[:5]], logits=False)
+    engine.pool.tensor[:, :, 1:] = engine.pool.tensor[:, :, :1]  # the same prompt KV per page
+    dspec.pool.tensor[:, :, 1:] = dspec.pool.tensor[:, :, :1]
+    g = torch.Generator().manual_seed(1)
+    t = t_logits[-1]
+    noisy = t + 0.6 * t.std() * torch.randn(t.shape[-1], generator=g)
+    real = head.forward_head
+
+    def noisy_head(pool, seqs, feats, last_only=True, logits=True):
+        out, outs = real(pool, seqs, feats, last_only, logits)
+        return [noisy[None].expand(len(o), -1) for o in out], outs
+
+    head.forward_head = noisy_head
+    params = [SamplingParams(temperature=1.0, top_k=5, seed=i, max_tokens=3, ignore_eos=True)
+              for i in range(n)]  # fmt: skip
+    pages, dpages = engine.pool.alloc(n), dspec.pool.alloc(n)
+    for i, sp in enumerate(params):
+        engine.add_prefilled(f"s{i}", prompt, [pages[i]], first, sp, draft_pages=[dpages[i]],
+                             draft_feature=f[5])  # fmt: skip
+    engine.step()  # admission: reports `first`
+    out = engine.step()  # one speculative step (k clamped to 1 by max_tokens = 3)
+    counts = torch.bincount(torch.tensor([t[0] for t in out.new_tokens.values()]), minlength=256)
+    p, q = probs(t_logits[-1:], params[0])[0], probs(noisy[None], params[0])[0]
+    assert _tv(p, q) > 0.3  # the draft is far from the target, so a wrong rule shows
+    assert 0.2 < engine.stats.acceptance_rate < 0.8  # both accept and reject paths ran
+    assert _chi2(counts.float(), p) < CHI2_999[4]
+    assert _tv(counts.float() / counts.sum(), q) > 0.25
