@@ -91,4 +91,8 @@ class CausalLM:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         # h: [T, hidden] -> [T, V] float32
-        return self.head()(self.norm(h)).float()
+        return self.normed_logits(self.norm(h))
+
+    def normed_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The LM head on final-norm hidden states (the features an EAGLE head reads)."""
+        return self.head()(normed).float()

@@ -206,7 +206,7 @@ class ModelRunner:
         ends = torch.tensor(meta.lengths, device=self.device).cumsum(0) - 1  # [B]
         if features:
             normed = self.model.norm(h)
-            return self.model.head()(normed[ends]).float(), list(normed.split(meta.lengths))
+            return self.model.normed_logits(normed[ends]), list(normed.split(meta.lengths))
         return self.model.logits(h[ends])  # [B, vocab]
 
     @torch.inference_mode()
@@ -228,9 +228,9 @@ class ModelRunner:
         normed = self.model.norm(h)  # [T, hidden]
         if last_only:
             ends = torch.tensor(meta.lengths, device=self.device).cumsum(0) - 1  # [B]
-            logits = list(self.model.head()(normed[ends]).float().split(1))  # B x [1, vocab]
+            logits = list(self.model.normed_logits(normed[ends]).split(1))  # B x [1, vocab]
         else:
-            logits = list(self.model.head()(normed).float().split(meta.lengths))  # [T, vocab]
+            logits = list(self.model.normed_logits(normed).split(meta.lengths))  # [T, vocab]
         return (logits, list(normed.split(meta.lengths))) if features else logits
 
     @torch.inference_mode()

@@ -61,9 +61,9 @@ class TPCausalLM(CausalLM):
             layer.attn.o = RowParallel(layer.attn.o, group)
             layer.mlp = Reduced(layer.mlp, group)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        # h: [T, hidden] -> rank 0: [T, V] float32; other ranks: their slice [T, Vp]
-        local = super().logits(h)  # [T, Vp]
+    def normed_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        # normed: [T, hidden] -> rank 0: [T, V] float32; other ranks: their slice [T, Vp]
+        local = super().normed_logits(normed)  # [T, Vp]
         parts = self.group.gather(local)
         if parts is None:
             return local
