@@ -282,8 +282,9 @@ class TPModelRunner(ShardRunner):
         return clients
 
     def forward(
-        self, pool: KVPool, seqs: list[SeqInput], last_only: bool = False
+        self, pool: KVPool, seqs: list[SeqInput], last_only: bool = False, features: bool = False
     ) -> list[torch.Tensor]:
+        _no_features(features)
         with self._lock:
             self._check_alive()
             pid = self._pool_id(pool)
@@ -294,7 +295,8 @@ class TPModelRunner(ShardRunner):
             self._send(Command(FORWARD, pid, last_only=last_only, seqs=wire))
             return self._in_step(lambda: ShardRunner.forward(self, pool, seqs, last_only))
 
-    def prefill_batch(self, pool, seqs, groups=None, on_group=None):
+    def prefill_batch(self, pool, seqs, groups=None, on_group=None, features: bool = False):
+        _no_features(features)
         with self._lock:
             self._check_alive()
             pid = self._pool_id(pool)
@@ -319,3 +321,8 @@ class TPModelRunner(ShardRunner):
             if held:
                 raise held[0]
             return out
+
+
+def _no_features(features: bool) -> None:
+    if features:  # what an EAGLE head reads; load_stage_draft refuses a head with TP first
+        raise ValueError("a tensor-parallel runner does not return features (EAGLE heads)")
