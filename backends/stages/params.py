@@ -142,7 +142,8 @@ class StageParams:
         " verifies; must be equal in both stages (checked at handshake)",
     )
     draft_model_dir: str = _p("", PDR, "draft checkpoint (a supported family with the target's"
-                              ' vocabulary); `""` = self-draft')  # fmt: skip
+                              ' vocabulary) or an EAGLE head (scripts/train_eagle.py); `""` ='
+                              " self-draft")  # fmt: skip
     draft_layers: int = _p(
         24,
         PDR,
