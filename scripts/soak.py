@@ -98,6 +98,18 @@ def kill_one_prefill(server) -> int | None:
     return None
 
 
+def wait_reloads(server, timeout_s: float) -> int:
+    """Prefill reloads in the server log, waiting up to ``timeout_s`` for the first one (a
+    short run can end while the killed instance's model is still loading again)."""
+    end = time.time() + timeout_s
+    while True:
+        with open(server.log, errors="replace") as f:
+            reloads = f.read().count("model prefill reloaded")
+        if reloads or time.time() >= end:
+            return reloads
+        time.sleep(1)
+
+
 def ready(server) -> bool:
     try:
         with urllib.request.urlopen(f"http://{server.http}/v2/health/ready", timeout=5) as r:
@@ -127,8 +139,7 @@ def run(args) -> dict:
         m = wait_pages_free(server, 120)
         pages = [m.get(("pd_kv_pages_in_use", s), -1) for s in ("prefill", "decode")]
         result = summarize(outcomes, refs, pages, ready(server), killed, time.time() - t0)
-        with open(server.log, errors="replace") as f:
-            reloads = f.read().count("model prefill reloaded")
+        reloads = wait_reloads(server, 90 if killed else 0)
         result["checks"]["killed_prefill_reloaded"] = reloads >= 1
         result["ok"] = all(result["checks"].values())
         result["prefill_reloads"] = reloads
