@@ -230,8 +230,8 @@ def paged_attention(
     flat slots. Values: v_new [T, Hkv, Dv] and v_cache [S, Hkv, Dv], or none of them and
     ``v_dim``: the values are the keys' first ``v_dim`` channels (MLA's latent). -> [T, H, Dv].
     H must be a multiple of Hkv (GQA; MLA in latent space has Hkv = 1). ``kv_scales``: the
-    (K, V) scales of fp8 caches (a prefill reads no cache: it attends to the new K/V as
-    computed).
+    (K, V) scales of fp8 caches (a prefill reads no cache: its caller passes the new K/V as
+    the pool stores them, see :func:`~backends.runtime.kv_quant.as_stored`).
     """
     H = q.shape[1]
     if meta.kind == "prefill":  # the context is the new tokens: no pool reads

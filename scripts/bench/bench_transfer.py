@@ -340,27 +340,17 @@ def main() -> None:
     ap.add_argument("--slot-mb", type=float, default=8.0, help="staging slot size (MiB)")
     ap.add_argument("--inflight", type=int, default=2, help="staged writes in flight")
     ap.add_argument("--raw-batch", type=int, default=1024, help="raw batch size (entries)")
-    ap.add_argument(
-        "--raw-max-copies",
-        type=int,
-        default=20000,
-        help="skip the raw-copies mode for cells needing more copies (page 1: 245,760 for GQA)",
-    )
+    ap.add_argument("--raw-max-copies", type=int, default=20000, help="skip the raw-copies mode"
+                    " for cells needing more copies (page 1: 245,760 for GQA)")
     ap.add_argument("--device", default="cpu", help="where both pools live: cpu or cuda[:N]")
     ap.add_argument("--link-gbit", type=float, default=None, help="emulated link rate (Gbit/s)")
     ap.add_argument("--link-burst", default="1mb")
     ap.add_argument("--link-latency", default="50ms")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument(
-        "--checksum", action="store_true", help="kv_checksum on; time the CRC32C (see above)"
-    )
-    ap.add_argument(
-        "--tp",
-        nargs="+",
-        metavar="P:D",
-        default=None,
-        help="heterogeneous TP rows instead (prefill TP : decode TP), e.g. 2:1 1:2",
-    )
+    ap.add_argument("--checksum", action="store_true",
+                    help="kv_checksum on; time the CRC32C (see above)")
+    ap.add_argument("--tp", nargs="+", metavar="P:D", default=None,
+                    help="heterogeneous TP rows instead (prefill TP : decode TP), e.g. 2:1 1:2")
     ap.add_argument("--tp-layouts", nargs="+", default=list(TP_LAYOUTS), choices=list(TP_LAYOUTS))
     args = ap.parse_args()  # fmt: skip
     if args.kv_cache_dtype != "auto":
