@@ -9,6 +9,8 @@ prompts are about topics no training prompt mentions.
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import sys
 import time
@@ -105,3 +107,25 @@ def features(runner, sequences: list[list[int]]) -> list[torch.Tensor]:
                                  last_only=True, features=True)  # fmt: skip
         feats.append(f.float().clone())
     return feats
+
+
+def save(path: str, key: dict, items: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Keep (tokens, features) pairs in a safetensors file tagged with ``key``."""
+    from safetensors.torch import save_file
+
+    tensors = {f"{i}.{n}": t.contiguous() for i, pair in enumerate(items)
+               for n, t in zip(("tokens", "feats"), pair, strict=True)}  # fmt: skip
+    save_file(tensors, path, metadata={"key": json.dumps(key, sort_keys=True)})
+
+
+def load(path: str, key: dict) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The pairs :func:`save` kept at ``path`` under the same ``key``, else None."""
+    from safetensors import safe_open
+
+    if not os.path.exists(path):
+        return None
+    with safe_open(path, "pt") as f:
+        if f.metadata().get("key") != json.dumps(key, sort_keys=True):
+            return None
+        n = len(list(f.keys())) // 2
+        return [(f.get_tensor(f"{i}.tokens"), f.get_tensor(f"{i}.feats")) for i in range(n)]

@@ -6,16 +6,20 @@ load.
 
 The head: ``fc([embed(x_{i+1}) ; f_i])`` -> one Llama decoder layer -> ``g_i`` -> LM head over a
 reduced draft vocabulary (the ``--draft-vocab`` most frequent response tokens, initialised from
-the target's own LM head rows). Loss at every position: cross-entropy of ``x_{i+2}`` (the target's
-own next token) + ``--feature-weight`` x smooth-L1 of ``g_i`` against the next feature
-``f_{i+1}`` (so ``g`` can stand in for a feature when drafting chains). Input features get
-Gaussian noise (``--noise``) so the head tolerates its own predictions. The decoder layer is
-transformers' Llama layer, the same math the runtime runs (checked by a test).
+the target's own LM head rows). It is trained the way it drafts (training-time test): for every
+anchor ``i`` at once, step 0 reads the real feature ``f_i``, and each of the ``--chain`` - 1
+further steps reads the previous step's ``g`` with the next token, at the next position, seeing
+the real pairs' KV and its own chain's, as the served chain does (a test checks they are the
+same). Loss: cross-entropy of each step's token (``x_{i+2+s}``, the target's own) +
+``--feature-weight`` x smooth-L1 of step 0's ``g_i`` against ``f_{i+1}``. Input features get
+Gaussian noise (``--noise``). The decoder layer is transformers' Llama layer with the chain's
+attention spelled out, the same math the runtime runs (checked by a test).
 
     .venv/bin/python scripts/train_eagle.py --out models/smollm2-135m-instruct-eagle
 
-(SmolLM2-135M on 2 cores with the defaults: 14 minutes, of which the target's responses and
-features about 9 and training 4; ``--minutes`` caps training.)
+(SmolLM2-135M on 2 cores with the defaults: 34 minutes, of which the target's responses and
+features 13 and training 20; ``--minutes`` caps training; ``--data-cache PREFIX`` keeps the
+responses and features for another run.)
 Prints one JSON line at the end: data sizes, times, and held-out teacher-forced accuracy.
 """
 
@@ -46,9 +50,10 @@ class HeadModule(torch.nn.Module):
 
     def __init__(self, target: ModelRunner, args, vocab_ids: torch.Tensor):
         from transformers import LlamaConfig
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+        from transformers.models.llama import modeling_llama as hf
 
         super().__init__()
+        self.rotate = hf.apply_rotary_pos_emb
         H = target.config.hidden_size
         self.cfg = LlamaConfig(hidden_size=H, intermediate_size=args.intermediate,
                                num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
@@ -61,24 +66,52 @@ class HeadModule(torch.nn.Module):
         with torch.no_grad():  # start as "the feature passes through"
             self.fc.weight.zero_()
             self.fc.weight[:, H:].copy_(torch.eye(H))
-        self.layer = LlamaDecoderLayer(self.cfg, layer_idx=0)
+        self.layer = hf.LlamaDecoderLayer(self.cfg, layer_idx=0)
         with torch.no_grad():  # the residual branches start at zero: the layer is the identity
             self.layer.self_attn.o_proj.weight.zero_()
             self.layer.mlp.down_proj.weight.zero_()
-        self.rope = LlamaRotaryEmbedding(self.cfg)
+        self.rope = hf.LlamaRotaryEmbedding(self.cfg)
         head = target.model.lm_head.detach().float()
         self.lm_head = torch.nn.Linear(H, len(vocab_ids), bias=False)
         with torch.no_grad():
             self.lm_head.weight.copy_(head[vocab_ids])
 
+    def _step(self, h: torch.Tensor, s: int, cache: list) -> torch.Tensor:
+        """The decoder layer at chain step ``s`` for every anchor ``i`` at once (position
+        ``i + s``). Its keys are what the served chain sees: the step-0 keys of anchors
+        ``<= i`` (the real features' KV) and anchor ``i``'s own keys of steps 1..s. ``cache``
+        holds the (k, v) of the earlier steps and gets this step's."""
+        a, (B, L, _) = self.layer.self_attn, h.shape
+        x = self.layer.input_layernorm(h)
+        q, k, v = (p(x).view(B, L, -1, self.cfg.head_dim).transpose(1, 2)
+                   for p in (a.q_proj, a.k_proj, a.v_proj))  # fmt: skip
+        pos = torch.arange(s, L + s)[None].expand(B, -1)
+        q, k = self.rotate(q, k, *self.rope(x, pos))
+        cache.append((k, v))
+        i = torch.arange(L)
+        mask = torch.cat([i[:, None] >= i] + [i[:, None] == i] * s, dim=1)
+        o = F.scaled_dot_product_attention(q, torch.cat([c[0] for c in cache], 2),
+                                           torch.cat([c[1] for c in cache], 2), attn_mask=mask,
+                                           scale=a.scaling, enable_gqa=True)  # fmt: skip
+        h = h + a.o_proj(o.transpose(1, 2).reshape(B, L, -1))
+        return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
+
+    def chain(self, tokens: list[torch.Tensor], feats: torch.Tensor) -> list[tuple]:
+        """Drafting as served, for every anchor ``i`` at once (training-time test): step 0
+        reads the pair (``f_i``, ``tokens[0]``), step ``s`` the pair (step ``s - 1``'s output
+        ``g``, ``tokens[s]``) (for anchor ``i``: ``x_{i+1+s}``). -> per step (draft logits
+        [B, L, D], g [B, L, H])."""
+        cache, out = [], []
+        for s, tok in enumerate(tokens):
+            f = feats if s == 0 else out[-1][1]
+            h = self.fc(torch.cat([F.embedding(tok, self.embed), f], dim=-1))
+            g = self._step(h, s, cache)
+            out.append((self.lm_head(g), g))
+        return out
+
     def forward(self, tokens: torch.Tensor, feats: torch.Tensor):
         """tokens [B, L] (x_{i+1}), feats [B, L, H] (f_i) -> (draft logits [B, L, D], g)."""
-        x = torch.cat([F.embedding(tokens, self.embed), feats], dim=-1)
-        h = self.fc(x)
-        pos = torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1)
-        g = self.layer(h, position_embeddings=self.rope(h, pos), position_ids=pos)
-        g = g[0] if isinstance(g, tuple) else g
-        return self.lm_head(g), g
+        return self.chain([tokens], feats)[0]
 
     def tensors(self, vocab_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         out = {"fc.weight": self.fc.weight, "lm_head.weight": self.lm_head.weight,
@@ -87,31 +120,39 @@ class HeadModule(torch.nn.Module):
         return {k: v.detach().clone() for k, v in out.items()}
 
 
-def make_batch(items, vocab_map: torch.Tensor, noise: float):
-    """items: (tokens [T], feats [T, H]) -> inputs and targets, right-padded."""
-    L = max(len(t) for t, _ in items) - 2
-    H = items[0][1].shape[1]
-    tok = torch.zeros(len(items), L, dtype=torch.long)
-    feat = torch.zeros(len(items), L, H)
-    tgt = torch.full((len(items), L), -100, dtype=torch.long)
-    nxt = torch.zeros(len(items), L, H)
-    mask = torch.zeros(len(items), L)
+def make_batch(items, vocab_map: torch.Tensor, noise: float, steps: int = 1):
+    """items: (tokens [T], feats [T, H]) -> inputs and targets, right-padded: anchors
+    ``i < T - 2`` with their feature ``f_i`` and next feature; per chain step ``s`` the input
+    tokens ``x_{i+1+s}`` [steps, B, L] and the target ``x_{i+2+s}`` in draft ids (-100 where
+    the sequence has none)."""
+    L, H = max(len(t) for t, _ in items) - 2, items[0][1].shape[1]
+    tok = torch.zeros(steps, len(items), L, dtype=torch.long)
+    tgt = torch.full((steps, len(items), L), -100, dtype=torch.long)
+    feat, nxt, mask = (torch.zeros(len(items), L, H), torch.zeros(len(items), L, H),
+                       torch.zeros(len(items), L))  # fmt: skip
     for b, (t, f) in enumerate(items):
-        n = len(t) - 2  # pairs (f_i, x_{i+1}) -> x_{i+2}, i < T - 2
-        tok[b, :n], feat[b, :n], nxt[b, :n] = t[1 : n + 1], f[:n], f[1 : n + 1]
-        tgt[b, :n], mask[b, :n] = vocab_map[t[2 : n + 2]], 1.0
+        n = len(t) - 2
+        feat[b, :n], nxt[b, :n], mask[b, :n] = f[:n], f[1 : n + 1], 1.0
+        for s in range(min(steps, n)):
+            tok[s, b, : n - s], tgt[s, b, : n - s] = t[1 + s : 1 + n], vocab_map[t[2 + s : 2 + n]]
     if noise:
         feat = feat + noise * torch.randn_like(feat)
     return tok, feat, tgt, nxt, mask
 
 
-def losses(model, batch, feature_weight: float):
+def losses(model, batch, feature_weight: float) -> tuple[torch.Tensor, list[float]]:
+    """Cross-entropy summed over the chain steps + the step-0 feature regression. -> (loss,
+    each step's accuracy on its targets)."""
     tok, feat, tgt, nxt, mask = batch
-    logits, g = model(tok, feat)
-    ce = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), ignore_index=-100)
-    reg = (F.smooth_l1_loss(g, nxt, reduction="none").mean(-1) * mask).sum() / mask.sum()
-    hit = ((logits.argmax(-1) == tgt) & (tgt >= 0)).sum() / (tgt >= 0).sum().clamp(min=1)
-    return ce + feature_weight * reg, float(hit)
+    out = model.chain(list(tok), feat)
+    reg = F.smooth_l1_loss(out[0][1], nxt, reduction="none").mean(-1)
+    loss, hits = feature_weight * (reg * mask).sum() / mask.sum(), []
+    for (logits, _), y in zip(out, tgt, strict=True):
+        has = y >= 0
+        if has.any():
+            loss = loss + F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+        hits.append(float(((logits.argmax(-1) == y) & has).sum() / has.sum().clamp(min=1)))
+    return loss, hits
 
 
 def build_data(target, args, held_out: bool):
@@ -124,17 +165,26 @@ def build_data(target, args, held_out: bool):
         rng = random.Random(args.seed + held_out)
         vocab = target.config.vocab_size
         ids = [[rng.randrange(3, vocab) for _ in range(rng.randint(4, 24))] for _ in range(n)]
+    key = {k: getattr(args, k) for k in ("target", "prompts", "eval_prompts", "max_tokens", "seed")}
+    key |= {"held_out": held_out}
+    path = args.data_cache and f"{args.data_cache}.{'held' if held_out else 'train'}.safetensors"
+    cached = data.load(path, key) if path else None
+    if cached is not None:
+        return cached
     outs = data.responses(target, ids, args.max_tokens)
     seqs = [p + o for p, o in zip(ids, outs, strict=True)]
-    return [(torch.tensor(s), f) for s, f in zip(seqs, data.features(target, seqs), strict=True)
-            if len(s) > 3]  # fmt: skip
+    items = [(torch.tensor(s), f) for s, f in zip(seqs, data.features(target, seqs), strict=True)
+             if len(s) > 3]  # fmt: skip
+    if path:
+        data.save(path, key, items)
+    return items
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=os.path.join(ROOT, "models/smollm2-135m-instruct"))
     ap.add_argument("--out", default=os.path.join(ROOT, "models/smollm2-135m-instruct-eagle"))
-    ap.add_argument("--prompts", type=int, default=640, help="training prompts")
+    ap.add_argument("--prompts", type=int, default=1280, help="training prompts")
     ap.add_argument("--eval-prompts", type=int, default=48, help="held-out prompts")
     ap.add_argument("--max-tokens", type=int, default=96, help="response tokens per prompt")
     ap.add_argument("--draft-vocab", type=int, default=8192)
@@ -142,12 +192,17 @@ def parse_args(argv=None):
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--intermediate", type=int, default=1536)
-    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--minutes", type=float, default=25.0, help="training time cap")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--noise", type=float, default=0.05)
     ap.add_argument("--feature-weight", type=float, default=1.0)
+    ap.add_argument("--chain", type=int, default=3,
+                    help="drafting steps trained as served (the head reading its own output)")
+    ap.add_argument("--data-cache", default=None,
+                    help="path prefix: keep the target's responses and features there and reuse"
+                    " them when the target, prompts, max tokens and seed match")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
@@ -177,8 +232,8 @@ def main(argv=None) -> None:
     for _ in range(args.epochs):
         random.Random(step).shuffle(train)
         for i in range(0, len(train), args.batch):
-            loss, hit = losses(model, make_batch(train[i : i + args.batch], vocab_map,
-                                                 args.noise), args.feature_weight)  # fmt: skip
+            batch = make_batch(train[i : i + args.batch], vocab_map, args.noise, args.chain)
+            loss, hit = losses(model, batch, args.feature_weight)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -186,15 +241,15 @@ def main(argv=None) -> None:
             sched.step()
             step += 1
             bar.update()
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{hit:.2f}", refresh=False)
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{hit[0]:.2f}", refresh=False)
             if time.time() > deadline:
                 break
         if time.time() > deadline:
             break
     bar.close()
     with torch.no_grad():
-        evals = [losses(model, make_batch(held[i : i + 16], vocab_map, 0.0), args.feature_weight)
-                 for i in range(0, len(held), 16)]  # fmt: skip
+        evals = [losses(model, make_batch(held[i : i + 16], vocab_map, 0.0, args.chain),
+                        args.feature_weight) for i in range(0, len(held), 16)]  # fmt: skip
     cfg = head_checkpoint_config(target.config, args.heads, args.kv_heads, args.head_dim,
                                  args.intermediate, D)  # fmt: skip
     save_head(args.out, cfg, model.tensors(vocab_ids))
@@ -205,7 +260,7 @@ def main(argv=None) -> None:
         "draft_vocab_coverage": coverage, "steps": step, "data_s": t_data,
         "train_s": time.time() - t0 - t_data,
         "held_out_loss": sum(float(e[0]) for e in evals) / len(evals),
-        "held_out_next_token_acc": sum(e[1] for e in evals) / len(evals),
+        "held_out_chain_acc": [sum(e[1][s] for e in evals) / len(evals) for s in range(args.chain)],
     }))  # fmt: skip
 
 

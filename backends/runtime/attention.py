@@ -22,6 +22,9 @@ from .prefill_attn import cpu_prefill_attention
 from .rope import RotaryEmbedding
 from .weights import WeightReader
 
+# an extend forward of up to this many new tokens per sequence (speculative verify, a head's
+# catch-up) runs the in-place decode kernel with every new token as a query of its own
+EXTEND_IN_PLACE_MAX_Q = 16
 
 def _linear(w: WeightReader, name: str, kernels: KernelSettings) -> Linear:
     return Linear(w.get(f"{name}.weight"), w.opt(f"{name}.bias"), kernels)
@@ -42,6 +45,11 @@ def attend(q, k_new, k_cache, meta, scale, kernels, v_new=None, v_cache=None, v_
         k_new, v_new = kv_quant.as_stored(k_new, ks[0]), kv_quant.as_stored(v_new, ks[-1])
     if meta.kind == "prefill" and kernels.attention == "auto":
         out = cpu_prefill_attention(q, k_new, v_new, v_dim, meta, scale)
+        if out is not None:
+            return out
+    small_extend = meta.kind == "extend" and meta.max_q <= EXTEND_IN_PLACE_MAX_Q
+    if small_extend and kernels.attention == "auto":
+        out = cpu_decode_attention(q, k_cache, v_cache, v_dim, meta, scale, ks)
         if out is not None:
             return out
     if meta.kind == "decode" and kernels.attention != "sdpa":

@@ -104,7 +104,7 @@ def cpu_decode_attention(
         return None
     qg, v = _grouped(q, k_cache, v_cache, v_dim)
     lo, hi = meta.key_bounds
-    out = op(qg.contiguous(), k_cache, v, meta.read_slots, lo, hi, scale * kv_scales[0])
+    out = op(qg.contiguous(), k_cache, v, meta.token_slots, lo, hi, scale * kv_scales[0])
     if k_cache.dtype == torch.float8_e4m3fn and kv_scales[-1] != 1.0:
         out = out * kv_scales[-1]
     return out.reshape(q.shape[0], q.shape[1], -1)

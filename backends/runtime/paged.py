@@ -117,12 +117,20 @@ class BatchMeta:
 
     @cached_property
     def key_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode batches: (lo [B], hi [B]) int64, sequence b's one query sees keys [lo_b, hi_b)
-        of its row of ``read_slots`` (the mask's True run)."""
-        hi = self.ctx_lens
+        """Each new token as a query of its own: (lo [T], hi [T]) int64, token t (at position
+        p) sees keys [lo_t, hi_t) = [max(0, p + 1 - window), p + 1) of its sequence's row of
+        ``read_slots`` (``token_slots``)."""
+        hi = self.positions.to(torch.int64) + 1
         if self.window is None:
             return torch.zeros_like(hi), hi
         return (hi - self.window).clamp(min=0), hi
+
+    @cached_property
+    def token_slots(self) -> torch.Tensor:
+        """[T, L]: each new token's row of ``read_slots`` (a decode batch: ``read_slots``)."""
+        if self.max_q == 1:
+            return self.read_slots
+        return self.read_slots[torch.div(self.q_index, self.max_q, rounding_mode="floor")]
 
 
 def _check_and_table(

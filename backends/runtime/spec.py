@@ -25,19 +25,19 @@ stop rules (and the sequence's TextState) see exactly the emitted tokens. An emi
 logprob is taken from the verify forward's raw target logits at its position.
 
 Rejected positions are rolled back by length only: their KV stays in the pages as stale data
-that the next write overwrites. ``k`` is clamped per sequence to ``max_tokens - emitted - 1``, so
-no write goes past ``prompt + max_tokens - 1`` KV slots: the page reservation of the plain engine
-covers the speculative positions too, and nothing reaches ``max_context``.
+that the next write overwrites. ``k`` is clamped per sequence to ``max_tokens - emitted - 1`` (no
+write goes past the plain engine's page reservation or ``max_context``), and to 0 in a step
+of more than ``DraftSpec.max_batch`` sequences (where verifying k + 1 rows each costs more).
 
 Usage (decode stage)::
 
     draft = load_draft(target, num_layers=K)            # or load_draft(target, path=DIR)
-    engine = SpecEngine(target, target.make_pool(n, ps),
-                        DraftSpec(draft, draft.make_pool(n, ps, role="draft"), num_spec_tokens=k))
+    engine = SpecEngine(target, target.make_pool(n, ps), DraftSpec(draft, draft_pool, k))
     engine.add_prefilled(sid, prompt, pages, first, params, draft_pages=dpages)
     out = engine.step()                                 # StepOutput, 1..k+1 tokens per sequence
 
-where the prefill side produced ``dpages`` with ``draft.prefill(draft_pool, prompt, pages)``.
+with ``draft_pool = draft.make_pool(n, ps, role="draft")``, whose ``dpages`` the prefill side
+filled with ``draft.prefill(draft_pool, prompt, pages)``.
 """
 
 from __future__ import annotations
@@ -86,8 +86,7 @@ def load_draft(
         return EagleHead.load_head(path, target)
     kv = "auto" if target.kv_dtype == target.dtype else target.kv_dtype  # fp8: its own scales
     draft = ModelRunner.load(path, dtype=target.dtype, device=str(target.device),
-                             tensor_parallel_size=tensor_parallel_size,
-                             kv_cache_dtype=kv)  # fmt: skip
+                             tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv)
     check_compatible(target, draft)
     return draft
 
@@ -105,16 +104,19 @@ def check_compatible(target: ModelRunner, draft: ModelRunner) -> None:
 
 @dataclass(frozen=True)
 class DraftSpec:
-    """The draft side of a :class:`SpecEngine`: its runner, its own KV pool, and k."""
+    """The draft side of a :class:`SpecEngine`: its runner, its own KV pool, k, and the batch
+    size above which a step drafts nothing (verifying one token per sequence; 0: no limit)."""
 
     runner: ModelRunner
     pool: KVPool
     num_spec_tokens: int = 4
+    max_batch: int = 0
 
     def __post_init__(self) -> None:
-        k = self.num_spec_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"num_spec_tokens must be an integer >= 1, got {k!r}")
+        for name, low in (("num_spec_tokens", 1), ("max_batch", 0)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
         self.runner._check_pool(self.pool)
 
 
@@ -353,7 +355,8 @@ class SpecEngine(LLMEngine):
             raise
 
     def _spec_step(self, decoding: list[Sequence], out: StepOutput) -> None:
-        k = self.draft.num_spec_tokens
+        d = self.draft
+        k = 0 if d.max_batch and len(decoding) > d.max_batch else d.num_spec_tokens
         ks = [min(k, s.params.max_tokens - len(s.output_ids) - 1) for s in decoding]
         drafts, qs = self._propose(decoding, ks)
         inputs = [

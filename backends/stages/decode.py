@@ -78,8 +78,8 @@ class DecodeWorker(DecodeControl, DecodeFailover):
         if self.draft is None:
             self.engine = LLMEngine(self.runner, self.pool, *size, tokenizer=self.tok)
         else:
-            self.pools[DRAFT] = make_draft_pool(params, self.draft)
-            spec = DraftSpec(self.draft, self.pools[DRAFT], params.spec_tokens)
+            dpool = self.pools[DRAFT] = make_draft_pool(params, self.draft)
+            spec = DraftSpec(self.draft, dpool, params.spec_tokens, params.spec_max_batch)
             self.engine = spec_engine(self.runner, self.pool, spec, *size, tokenizer=self.tok)
         cfg = params.transfer_config()
         runners = {"target": self.runner, DRAFT: self.draft}

@@ -1,11 +1,13 @@
 """Benchmark speculative decoding: decode tokens/s with and without a draft model.
 
 Each batch runs the same chat prompts through the plain engine (target only) and through the
-speculative engine (self-draft of the target's first K layers, or a draft checkpoint), greedy,
-``--max-tokens`` tokens per sequence with EOS ignored so both produce the same token count.
-Decode tokens/s counts every token after the first (the first comes from prefill) over the time
-of the steps after admission. Each number is the median of --runs runs; the greedy outputs of
-both engines are compared token for token (column ``same``).
+speculative engine (self-draft of the target's first K layers, a draft checkpoint or an EAGLE
+head), greedy, up to ``--max-tokens`` tokens per sequence, ending at EOS as served
+(``--ignore-eos``: always ``--max-tokens``); greedy speculation is lossless, so both engines
+produce the same tokens either way. Decode tokens/s counts every token after the first (the
+first comes from prefill) over the time of the steps after admission. Each number is the
+median of --runs runs; the greedy outputs of both engines are compared token for token (column
+``same``).
 
     python scripts/bench/bench_spec.py                                  # table
     python scripts/bench/bench_spec.py --draft-layers 24 28 --spec-tokens 1 2 4 --batches 1
@@ -48,10 +50,11 @@ PROMPTS = [
 ]
 
 
-def run_once(engine, groups: list[list[list[int]]], max_tokens: int) -> tuple[float, list, dict]:
+def run_once(engine, groups: list[list[list[int]]], max_tokens: int,
+             ignore_eos: bool = False) -> tuple[float, list, dict]:  # fmt: skip
     """Each group of prompts as one batch, the groups one after the other. -> (decode
     tokens/s over all groups, outputs, spec stats of this run)."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
     if isinstance(engine, SpecEngine):
         engine.stats = type(engine.stats)()
     dt, outputs, n = 0.0, [], 0
@@ -63,7 +66,7 @@ def run_once(engine, groups: list[list[list[int]]], max_tokens: int) -> tuple[fl
             engine.step()
         dt += time.perf_counter() - t
         outputs += [s.output_ids for s in seqs]
-        n += len(prompts) * (max_tokens - 1)
+        n += sum(len(s.output_ids) - 1 for s in seqs)
     stats = engine.stats.as_dict() if isinstance(engine, SpecEngine) else {}
     return n / dt, outputs, stats
 
@@ -73,7 +76,7 @@ def measure(make_engine, prompts, args) -> dict:
     run_once(engine, [prompts[0][:1]], 4)  # warm up
     rates, stats, outputs = [], [], None
     for _ in range(args.runs):
-        rate, outputs, st = run_once(engine, prompts, args.max_tokens)
+        rate, outputs, st = run_once(engine, prompts, args.max_tokens, args.ignore_eos)
         rates.append(rate)
         stats.append(st)
     res = {"decode_tok_s": statistics.median(rates)}
@@ -101,7 +104,8 @@ def pd_row(args, rows: list[dict], texts: list[list[int]]) -> dict:
     b, k = max(args.batches), max(args.spec_tokens)
     colo = next(r for r in rows if r["batch"] == b and r["config"].endswith(f"k={k}"))
     prompts = [p for group in batches_of(texts, b, args.held_out) for p in group]
-    pd = pd_spec_stats(args.model, args.draft, k, prompts, args.max_tokens, args.page_size)
+    pd = pd_spec_stats(args.model, args.draft, k, prompts, args.max_tokens, args.page_size,
+                       args.ignore_eos)  # fmt: skip
     log(f"PD batch {b} k={k}: acceptance {pd['acceptance_rate']:.3f}"
         f" (colocated {colo['acceptance_rate']:.3f})")  # fmt: skip
     return {"acceptance_pd": pd["acceptance_rate"],
@@ -140,6 +144,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--ignore-eos", action="store_true", help="always --max-tokens tokens")
+    ap.add_argument("--spec-max-batch", type=int, default=0,
+                    help="steps of more sequences draft nothing (the spec_max_batch parameter)")
     ap.add_argument("--dtype", choices=MODEL_DTYPES, default=StageParams.dtype)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--page-size", type=int, default=StageParams.page_size)
@@ -194,7 +201,8 @@ def main(argv=None) -> int:
                 def spec(draft=draft, k=k, pages=pages, b=b):
                     dpool = draft.make_pool(pages, args.page_size, role="draft")
                     pool = target.make_pool(pages, args.page_size)
-                    return spec_engine(target, pool, DraftSpec(draft, dpool, k), max_batch=b)
+                    dspec = DraftSpec(draft, dpool, k, args.spec_max_batch)
+                    return spec_engine(target, pool, dspec, max_batch=b)
 
                 res = measure(spec, prompts, args)
                 res["speedup"] = res["decode_tok_s"] / base["decode_tok_s"]
@@ -210,7 +218,7 @@ def main(argv=None) -> int:
         return 0
     print(
         f"decode tokens/s, median of {args.runs} runs ({args.device}, {args.dtype}, "
-        f"{meta['threads']} threads, {args.max_tokens} tokens/seq, greedy)"
+        f"{meta['threads']} threads, up to {args.max_tokens} tokens/seq, greedy)"
     )
     head = ["config", "batch", "tok/s", "speedup", "accept", "mean len", "same"]
     print(f"{head[0]:<24}" + "".join(f"{h:>10}" for h in head[1:]))

@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
 
 
 def pd_spec_stats(model: str, draft: str, k: int, prompts: list[list[int]], max_tokens: int,
-                  page_size: int) -> dict:  # fmt: skip
+                  page_size: int, ignore_eos: bool = False) -> dict:  # fmt: skip
     from stagepeer import Collector, PrefillProcess
 
     from backends.runtime.config import ModelConfig
@@ -31,7 +31,7 @@ def pd_spec_stats(model: str, draft: str, k: int, prompts: list[list[int]], max_
     decode = DecodeWorker(StageParams(**params))
     try:
         outs = []
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
         for i, ids in enumerate(prompts):  # decode registers first, as in the ensemble
             c = Collector()
             decode.submit(StageRequest(room=7000 + i, prompt_ids=ids, sampling=sp,

@@ -1,7 +1,8 @@
 """Speculative decoding through the real Triton ensemble: greedy output equals the target's
 greedy output (transformers), for the default model with a self-draft and for a tiny random MLA
-target (DeepSeek-V3) with a tiny random GQA draft (Llama); the acceptance counters in the
-metrics equal those of the colocated SpecEngine on the same prompts.
+target (DeepSeek-V3) with a tiny random GQA draft (Llama) or an EAGLE head (its own GQA KV and
+the target's feature sent by prefill); the acceptance counters in the metrics equal those of the
+colocated speculative engine on the same prompts.
 
 Each test starts its own tritonserver (make_repo copy with ``spec_enabled``), one instance per
 stage, and stops it at the end.
@@ -13,11 +14,13 @@ import time
 
 import pytest
 from draft_models import hf_greedy_at, mla_target_gqa_draft
+from eagle_heads import random_head
 from runtime_models import random_prompt
 from triton_harness import (
     MODEL,
     assert_greedy,
     http_generate,
+    http_generate_stream,
     launch,
     metrics,
     stop,
@@ -50,7 +53,8 @@ def colocated_stats(model_dir: str, spec: dict, prompts: list[list[int]]) -> dic
 
     from backends.runtime.runner import ModelRunner
     from backends.runtime.sampler import SamplingParams
-    from backends.runtime.spec import DraftSpec, SpecEngine
+    from backends.runtime.spec import DraftSpec
+    from backends.runtime.spec_eagle import spec_engine
     from backends.stages.draft import load_stage_draft, make_draft_pool
     from backends.stages.params import StageParams
 
@@ -59,7 +63,7 @@ def colocated_stats(model_dir: str, spec: dict, prompts: list[list[int]]) -> dic
     target = ModelRunner.load(params.model_path)
     draft = load_stage_draft(params, target)
     dspec = DraftSpec(draft, make_draft_pool(params, draft), params.spec_tokens)
-    engine = SpecEngine(target, target.make_pool(64, 4), dspec, max_batch=1)
+    engine = spec_engine(target, target.make_pool(64, 4), dspec, max_batch=1)
     engine.generate([(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts])
     st = engine.stats
     return {
@@ -90,8 +94,14 @@ def test_self_draft_default_model_equals_target_greedy(tmp_path, reference):
         stop(srv, serve, env)
 
 
-def test_mla_target_gqa_draft_equals_transformers(tmp_path):
+@pytest.mark.parametrize("kind", ["gqa-draft", "eagle-head"])
+def test_mla_target_equals_transformers(tmp_path, kind):
+    """The seed case: an MLA target whose draft KV is GQA, from a draft model or an EAGLE
+    head (random: losslessness must not depend on its quality), one prompt streamed and one
+    not."""
     target, draft = mla_target_gqa_draft()  # vocab 256 both; they agree about half the time
+    if kind == "eagle-head":
+        draft = random_head(target)
     sets = [
         *BASE,
         f"prefill.model_dir={target}",
@@ -106,20 +116,31 @@ def test_mla_target_gqa_draft_equals_transformers(tmp_path):
     srv, serve, env = launch(tmp_path, sets)
     try:
         prompts = [random_prompt(n, seed=n) for n in (7, 23)]
-        for ids in prompts:
+        for ids, stream in zip(prompts, (True, False), strict=True):
             want = hf_greedy_at(target, ids, MAX_TOKENS)
-            out = http_generate(srv, {"input_ids": ids, "max_tokens": MAX_TOKENS})
-            assert out["status"] == 200, out
-            got = out["output_ids"]
-            assert (got if isinstance(got, list) else [got]) == want
+            fields = {"input_ids": ids, "max_tokens": MAX_TOKENS}
+            if stream:
+                events = http_generate_stream(srv, {**fields, "stream": True})
+                assert all("error" not in e for e in events), events
+                got = [t for e in events for t in _as_list(e["output_ids"])]
+            else:
+                out = http_generate(srv, fields)
+                assert out["status"] == 200, out
+                got = _as_list(out["output_ids"])
+            assert got == want
         spec = dict(spec_enabled=True, draft_model_dir=draft, spec_tokens=3)
         colo = colocated_stats(target, spec, prompts)
         m = _wait_metric(srv, "pd_spec_verify_steps_total", colo["pd_spec_verify_steps_total"])
         assert {k: m[k] for k in colo} == colo  # acceptance through Triton == colocated
-        assert m["pd_spec_accepted_tokens_total"] > 0
-        print(f"MLA target + GQA draft through Triton: {m}")
+        if kind == "gqa-draft":  # a random head is hardly ever accepted
+            assert m["pd_spec_accepted_tokens_total"] > 0
+        print(f"MLA target + {kind} through Triton: {m}")
         used = wait_pages_free(srv)
         assert used[("pd_kv_pages_in_use", "prefill")] == 0
         assert used[("pd_kv_pages_in_use", "decode")] == 0
     finally:
         stop(srv, serve, env)
+
+
+def _as_list(x) -> list:
+    return x if isinstance(x, list) else [x]

@@ -30,10 +30,12 @@ def spec_engine(
     page_size: int = 4,
     draft_page_size: int = 4,
     max_batch: int = 16,
+    spec_max_batch: int = 0,
 ) -> SpecEngine:
     dpool = draft.make_pool(pages, draft_page_size, role="draft")
     pool = target.make_pool(pages, page_size)
-    return SpecEngine(target, pool, DraftSpec(draft, dpool, k), max_batch=max_batch)
+    dspec = DraftSpec(draft, dpool, k, spec_max_batch)
+    return SpecEngine(target, pool, dspec, max_batch=max_batch)
 
 
 _REFERENCES: dict = {}

@@ -47,7 +47,9 @@ def make_batch(shape, num_pages=64, seed=0):
     return seqs
 
 
-def run(shape, window=None, mla=False, seed=0):
+def run(shape, window=None, mla=False, seed=0, in_place=False):
+    """-> (meta, paged attention's output (``in_place``: the C++ in-place kernel's, every new
+    token a query of its own), the float64 reference)."""
     torch.manual_seed(seed)
     seqs = make_batch(shape, seed=seed)
     meta = BatchMeta.build(seqs, PS, 64, "cpu", window)
@@ -62,7 +64,11 @@ def run(shape, window=None, mla=False, seed=0):
         v_new = torch.randn(T, hkv, D)
         write_kv(v_cache, meta, v_new)
     q = torch.randn(T, H, dk)
-    out = paged_attention(q, k_new, k_cache, meta, D**-0.5, v_new, v_cache, D if mla else None)
+    if in_place:
+        out = cpu_decode_attention(q, k_cache, v_cache, D if mla else None, meta, D**-0.5)
+        assert out is not None, "the C++ kernel did not build"
+    else:
+        out = paged_attention(q, k_new, k_cache, meta, D**-0.5, v_new, v_cache, D if mla else None)
     slots = [
         [p[j // PS] * PS + j % PS for j in range(s + n)] for s, n, p in seqs
     ]  # each sequence's context slots
@@ -149,6 +155,17 @@ def test_cpu_decode_kernel_matches_reference(case, window, mla):
     assert out is not None, "the C++ kernel did not build"
     ref = paged_attention(q, None, k_cache, meta, D**-0.5, None, v_cache, v_dim)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "window3"])
+@pytest.mark.parametrize("case", ["extend mixed", "extend one"])
+def test_cpu_decode_kernel_runs_small_extends(case, window, mla):
+    """A small extend (speculative verify) through the in-place kernel: each new token sees its
+    own sequence's keys up to its position (causal inside the new tokens), inside its window."""
+    meta, out, ref = run(CASES[case], window, mla, in_place=True)
+    assert meta.kind == "extend"
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -14,6 +14,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 def test_bench_spec_json():
     args = "--random-prompts 6 --batches 1 3 --draft-layers 1 4 --spec-tokens 2 --max-tokens 8"
+    args += " --ignore-eos"  # every sequence 8 tokens
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "bench", "bench_spec.py"), "--model"]
         + [rm.checkpoint("llama")]
@@ -45,6 +46,7 @@ def test_bench_spec_eagle_head_with_pd_json():
 
     head = trained_head(rm.checkpoint("llama"))
     args = f"--random-prompts 6 --batches 1 2 --draft {head} --spec-tokens 2 --max-tokens 8 --pd"
+    args += " --ignore-eos"
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "bench", "bench_spec.py"), "--model",
          rm.checkpoint("llama"), *args.split(), "--runs", "1", "--page-size", "4", "--json"],

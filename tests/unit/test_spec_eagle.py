@@ -21,10 +21,10 @@ PROMPTS = [rm.random_prompt(n, seed=n) for n in (1, 4, 9, 14, 6)]
 MAX_TOKENS = [20, 9, 16, 3, 12]
 
 
-def _engine(target, head_dir: str, k: int = 3):
+def _engine(target, head_dir: str, k: int = 3, max_batch: int = 0):
     head = load_draft(target, path=head_dir)
     assert isinstance(head, EagleHead)
-    dspec = DraftSpec(head, head.make_pool(64, 4, role="draft"), k)
+    dspec = DraftSpec(head, head.make_pool(64, 4, role="draft"), k, max_batch)
     engine = spec_engine(target, target.make_pool(64, 4), dspec)
     assert isinstance(engine, EagleSpecEngine)
     return engine
@@ -42,6 +42,19 @@ def test_head_greedy_equals_target_only(kind, vocab, llama, mla):
         assert s.draft_len + len(s.draft_feats) == s.num_tokens - 1  # the head's invariant
     assert engine.stats.proposed > 0 and engine.stats.verify_steps > 0
     assert engine.pool.num_free == 64 and engine.draft.pool.num_free == 64
+
+
+def test_head_catches_up_the_steps_above_max_batch(llama):
+    """DraftSpec.max_batch = 2: the head proposes nothing while more sequences run, its
+    pending features pile up (the invariant holds), and it catches them up when two remain."""
+    engine = _engine(llama, random_head(rm.checkpoint("llama")), max_batch=2)
+    reqs = [(p, sm.greedy(m)) for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    seqs = dict(zip(MAX_TOKENS, engine.generate(reqs), strict=True))
+    for (p, sp), s in zip(reqs, seqs.values(), strict=True):
+        assert s.output_ids == sm.reference(llama, p, sp), p
+        assert s.draft_len + len(s.draft_feats) == s.num_tokens - 1
+    assert [seqs[m].num_proposed for m in (3, 9, 12)] == [0, 0, 0]
+    assert seqs[20].num_proposed > 0 and seqs[16].num_proposed > 0
 
 
 def test_head_that_predicts_the_target_accepts_and_stays_lossless(llama):
@@ -114,9 +127,9 @@ def _train_eagle():
     return importlib.import_module("train_eagle")
 
 
-def test_training_module_equals_the_served_head(llama, tmp_path):
-    """The head train_eagle.py trains (transformers' Llama layer) and the head the runtime
-    serves from its checkpoint compute the same outputs and logits."""
+def _module_and_head(llama, path):
+    """train_eagle.py's training module, moved away from its identity start so every weight
+    matters, and the same weights loaded as the runtime serves them."""
     from backends.runtime.eagle import head_checkpoint_config, save_head
 
     te = _train_eagle()
@@ -125,12 +138,19 @@ def test_training_module_equals_the_served_head(llama, tmp_path):
     vocab_ids = torch.arange(3, 131)
     module = te.HeadModule(llama, args, vocab_ids)
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # away from the identity start, so every weight matters
+    with torch.no_grad():
         for p in module.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
     cfg = head_checkpoint_config(llama.config, 4, 2, 16, 96, len(vocab_ids))
-    save_head(str(tmp_path), cfg, module.tensors(vocab_ids))
-    head = load_draft(llama, path=str(tmp_path))
+    save_head(str(path), cfg, module.tensors(vocab_ids))
+    return module, load_draft(llama, path=str(path)), vocab_ids
+
+
+def test_training_module_equals_the_served_head(llama, tmp_path):
+    """The head train_eagle.py trains (transformers' Llama layer) and the head the runtime
+    serves from its checkpoint compute the same outputs and logits."""
+    module, head, vocab_ids = _module_and_head(llama, tmp_path)
+    g = torch.Generator().manual_seed(1)
     tokens = torch.tensor([rm.random_prompt(10, seed=4)])
     feats = torch.randn(1, 10, llama.config.hidden_size, generator=g)
     with torch.no_grad():
@@ -142,6 +162,31 @@ def test_training_module_equals_the_served_head(llama, tmp_path):
     torch.testing.assert_close(got_g, want_g[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got_logits[:, vocab_ids], want_logits[0], atol=1e-4, rtol=1e-4)
     assert bool(torch.isinf(got_logits[:, 0]).all())  # outside the draft vocabulary
+
+
+def test_training_chain_equals_the_served_chain(llama, tmp_path):
+    """The chain steps train_eagle.py trains for every anchor at once (its masks) are what the
+    served chain computes: anchor i's real pairs in the head's KV, then the head's own output
+    fed back at positions i + 1, i + 2 with the next tokens."""
+    module, head, vocab_ids = _module_and_head(llama, tmp_path)
+    g = torch.Generator().manual_seed(2)
+    x = rm.random_prompt(14, seed=6)
+    L = len(x) - 4  # anchors with tokens for all three steps
+    feats = torch.randn(L, llama.config.hidden_size, generator=g)
+    steps = [torch.tensor([x[1 + s : 1 + s + L]]) for s in range(3)]  # anchor i: x_{i+1+s}
+    with torch.no_grad():
+        want = module.chain(steps, feats[None])
+    for i in (0, 3, L - 3):
+        pool = head.make_pool(8, 4)
+        pages = pool.alloc(4)
+        real = SeqInput(x[1 : i + 2], 0, pages)  # the pairs (f_j, x_{j+1}), j <= i
+        (lg,), (out,) = head.forward_head(pool, [real], [feats[: i + 1]])
+        got = [lg[-1]]
+        for s in (1, 2):
+            (lg,), (out,) = head.forward_head(pool, [SeqInput([x[i + 1 + s]], i + s, pages)], [out])
+            got.append(lg[-1])
+        for s in range(3):
+            torch.testing.assert_close(got[s][vocab_ids], want[s][0][0, i], atol=1e-4, rtol=1e-4)
 
 
 def test_train_eagle_end_to_end_on_a_tiny_target(llama):

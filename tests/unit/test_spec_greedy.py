@@ -49,6 +49,20 @@ def test_full_depth_draft_accepts_everything(kind, llama, mla):
         assert s.num_verify_steps == -(-(m - 1) // 5)
 
 
+def test_steps_above_max_batch_draft_nothing_then_drafting_resumes(llama):
+    """DraftSpec.max_batch = 2: while more sequences run, each step verifies one token per
+    sequence and proposes nothing; once two remain, the draft catches up the tokens it missed
+    and drafts again (a full-depth draft is then accepted every time: its KV caught up right)."""
+    full = self_draft(llama, llama.config.num_layers)
+    engine = sm.spec_engine(llama, full, k=3, spec_max_batch=2)
+    seqs = dict(zip(MAX_TOKENS, _run_batch(engine, llama), strict=True))
+    assert [seqs[m].num_proposed for m in (3, 9, 12)] == [0, 0, 0]  # ended while > 2 ran
+    assert seqs[20].num_proposed > 0 and seqs[16].num_proposed > 0
+    assert engine.stats.acceptance_rate == 1.0
+    with pytest.raises(ValueError, match="max_batch must be an integer >= 0"):
+        DraftSpec(full, engine.draft.pool, 3, -1)
+
+
 def test_mla_target_with_gqa_draft(mla):
     draft = ModelRunner.load(rm.checkpoint("llama"))  # same 256-token vocabulary
     engine = sm.spec_engine(mla, draft, k=2, draft_page_size=8)
