@@ -40,7 +40,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-CSRC = Path(__file__).with_name("csrc")
+CSRC = Path(__file__).resolve().with_name("csrc")  # one cache key however the package was found
 # the translation units; the cache key also covers the headers they include (all of csrc/)
 SOURCES = [
     CSRC / "cpu_ops.cpp",

@@ -192,3 +192,20 @@ def test_without_a_compiler_torch_ops_run(monkeypatch, tmp_path):
     meta = BatchMeta.build([(0, 4, [0])], 4, 2, "cpu")
     q, k = torch.randn(4, 2, 8), torch.randn(4, 1, 8)
     assert cpu_prefill_attention(q, k, None, 8, meta, 1.0) is None
+
+
+def test_kernel_library_is_the_same_however_the_package_is_found(tmp_path):
+    """Scripts put ``scripts/..`` on sys.path: they must load the library setup.sh built (a
+    cache key over the unnormalised path rebuilt the kernels, ~40 s, on a script's first run)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from backends.runtime import cpu_kernels
+
+    root = Path(cpu_kernels.__file__).resolve().parents[2]
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from backends.runtime import cpu_kernels;"
+            " print(cpu_kernels.library_path())")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, str(root / "scripts" / "..")], cwd=tmp_path,
+                         capture_output=True, text=True, check=True, timeout=120)  # fmt: skip
+    assert out.stdout.strip() == str(cpu_kernels.library_path())
