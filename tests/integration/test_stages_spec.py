@@ -183,8 +183,11 @@ def test_spec_disaggregated_equals_colocated_and_transformers(case):
         prefill.stop()
 
 
-def test_draft_kv_transfer_failure_fails_the_request_cleanly():
+@pytest.mark.parametrize("kind", ["gqa-draft", "eagle-head"])
+def test_draft_kv_transfer_failure_fails_the_request_cleanly(kind):
     target, draft = mla_target_gqa_draft()
+    if kind == "eagle-head":  # the head's KV is the draft entry; its feature rides Complete
+        draft = random_head(target)
     params = _params(target, spec_enabled=True, draft_model_dir=draft)
     prefill = PrefillProcess(fail_role="draft", **params)
     decode = DecodeWorker(StageParams(**params))
@@ -268,8 +271,11 @@ def test_spec_configuration_mismatch_fails_clearly(case):
         prefill.stop()
 
 
-def test_spec_client_cancel_frees_target_and_draft_pages():
+@pytest.mark.parametrize("kind", ["self-draft", "eagle-head"])
+def test_spec_client_cancel_frees_target_and_draft_pages(kind):
     target, spec = _self_draft()
+    if kind == "eagle-head":
+        spec = dict(spec_enabled=True, draft_model_dir=random_head(target), spec_tokens=2)
     params = _params(target, **spec)
     prefill = PrefillProcess(**params)
     decode = DecodeWorker(StageParams(**params))
