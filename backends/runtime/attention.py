@@ -26,6 +26,7 @@ from .weights import WeightReader
 # catch-up) runs the in-place decode kernel with every new token as a query of its own
 EXTEND_IN_PLACE_MAX_Q = 16
 
+
 def _linear(w: WeightReader, name: str, kernels: KernelSettings) -> Linear:
     return Linear(w.get(f"{name}.weight"), w.opt(f"{name}.bias"), kernels)
 

@@ -243,3 +243,19 @@ def test_sampling_with_a_head_follows_the_target_distribution(llama):
     assert 0.2 < engine.stats.acceptance_rate < 0.8  # both accept and reject paths ran
     assert _chi2(counts.float(), p) < CHI2_999[4]
     assert _tv(counts.float() / counts.sum(), q) > 0.25
+
+
+def test_train_data_cache_round_trip_and_key(tmp_path):
+    """train_eagle.py --data-cache: what was saved comes back bit for bit under the same key,
+    and a different key (another target, prompt count, ...) reads as absent."""
+    _train_eagle()
+    import eagle_data
+
+    items = [(torch.tensor(t), torch.randn(len(t), 3)) for t in ([5, 6, 7, 8], [9, 2])]
+    path = str(tmp_path / "d.safetensors")
+    eagle_data.save(path, {"prompts": 2, "seed": 0}, items)
+    got = eagle_data.load(path, {"seed": 0, "prompts": 2})
+    for (t, f), (t2, f2) in zip(got, items, strict=True):
+        assert torch.equal(t, t2) and torch.equal(f, f2)
+    assert eagle_data.load(path, {"prompts": 3, "seed": 0}) is None
+    assert eagle_data.load(str(tmp_path / "none.safetensors"), {}) is None
