@@ -2,9 +2,9 @@
 target's own responses, with the target's features computed by this runtime exactly as serving
 computes them (``ModelRunner.forward(..., features=True)``: same dtype, final norm, kernels).
 
-Prompts are generated from templates: instructions over topics, code tasks, arithmetic, and
-two-turn chats. No dataset is read or copied. The held-out split is by topic: evaluation
-prompts are about topics no training prompt mentions.
+Prompts are generated from templates, each one distinct: instructions over topics, code tasks,
+arithmetic, and two-turn chats. No dataset is read or copied. The held-out split shares no topic
+and no code task with training: evaluation prompts use the last fifth of each list.
 """
 
 from __future__ import annotations
@@ -27,45 +27,85 @@ TOPICS = [
     "the human heart", "chocolate", "submarines", "tides", "wind turbines", "dinosaurs",
     "libraries", "batteries", "mountains", "the violin", "deserts", "rockets", "bread mold",
     "friendship", "budgeting", "public speaking", "gardening", "the stock market", "whales",
+    "airplanes", "the immune system", "climate change", "ancient Egypt", "pizza", "robots",
+    "owls", "the ocean floor", "music theory", "money", "trains", "clouds", "the brain",
+    "cats", "dogs", "poetry", "olive oil", "hurricanes", "video games", "paper making",
+    "the alphabet", "museums", "lighthouses", "bees and flowers", "soap", "maps", "kites",
+    "the Olympic games", "mushrooms", "telescopes", "rivers", "volunteering", "castles",
+    "elections", "spiders", "the piano", "cheese", "snow", "salt", "trees", "ants",
+    "the speed of light", "fire", "glass", "cotton", "the calendar", "islands", "sharks",
+    "eclipses", "bread baking", "board games", "fungi", "the Great Wall", "sailing",
+    "newspapers", "fossils", "rain", "dance", "insurance", "caves", "bees' honey",
+    "the Silk Road", "statistics", "archery", "wolves", "tomatoes", "clocks", "mirrors",
+    "the post office", "farming", "rice", "painting", "cameras", "the Arctic", "elephants",
+    "umbrellas", "language learning", "nutrition", "skateboarding", "the desert sun",
+    "mathematics", "philosophy", "sculpture", "the economy", "cooking pasta", "astronauts",
 ]  # fmt: skip
 INSTRUCTIONS = [
     "Explain {t} to a child.", "Write three facts about {t}.", "What is surprising about {t}?",
     "Give a short history of {t}.", "Write a haiku about {t}.", "Why does {t} matter?",
     "Summarize what an expert knows about {t} in a paragraph.", "List pros and cons of {t}.",
     "Write a short story that involves {t}.", "What questions do people ask about {t}?",
+    "Describe {t} in five sentences.", "Write a limerick about {t}.",
+    "What are common myths about {t}?", "How would you teach a class about {t}?",
+    "Compare {t} with something from everyday life.", "Write a tweet about {t}.",
+    "What would the world be like without {t}?", "Give me a fun quiz about {t}.",
+    "Write an email to a friend about {t}.", "What careers involve {t}?",
+    "Explain {t} in one paragraph for a busy adult.", "Write a dialogue about {t}.",
+    "What are the main ideas behind {t}?", "Write a news headline and lead about {t}.",
 ]  # fmt: skip
 CODE = [
     "Write a Python function that {c}.", "Explain how to {c} in JavaScript.",
-    "Write a unit test for a function that {c}.",
+    "Write a unit test for a function that {c}.", "Write a C function that {c}.",
+    "Write a Python function that {c}, for an app about {t}.",
+    "Explain, with an example about {t}, how to write code that {c}.",
 ]  # fmt: skip
 CODE_TASKS = [
     "reverses a string", "checks if a number is prime", "sorts a list of names",
     "counts words in a text", "merges two dictionaries", "finds the largest element",
     "computes a factorial", "parses a date", "removes duplicates from a list",
     "reads a CSV file", "computes the average of a list", "validates an email address",
+    "checks for a palindrome", "flattens a nested list", "counts vowels in a word",
+    "converts Celsius to Fahrenheit", "finds the median of a list", "capitalizes each word",
+    "computes Fibonacci numbers", "checks if two words are anagrams", "sums the digits of a number",
+    "finds common elements of two lists", "converts a number to binary", "rotates a list",
+    "groups words by their first letter", "computes the greatest common divisor",
+    "counts the lines in a file", "shuffles a deck of cards", "finds the second smallest number",
+    "transposes a matrix",
 ]  # fmt: skip
+OPS = ["plus", "minus", "times"]
+
+
+def _prompt(rng: random.Random, kind: int, topics: list[str], tasks: list[str]) -> list[dict]:
+    t = rng.choice(topics)
+    if kind == 0:
+        text = rng.choice(CODE).format(c=rng.choice(tasks), t=t)
+    elif kind == 1:
+        a, b = rng.randint(2, 999), rng.randint(2, 99)
+        text = f"What is {a} {rng.choice(OPS)} {b}? Show your steps, then mention {t}."
+    else:
+        text = rng.choice(INSTRUCTIONS).format(t=t)
+    msgs = [{"role": "user", "content": text}]
+    if kind == 4:  # a two-turn chat
+        msgs += [{"role": "assistant", "content": f"Sure, let us talk about {t}."},
+                 {"role": "user", "content": rng.choice(INSTRUCTIONS).format(t=t)}]  # fmt: skip
+    return msgs
 
 
 def prompts(n: int, seed: int, held_out: bool) -> list[list[dict]]:
-    """``n`` chat conversations (lists of messages); ``held_out``: topics of the last fifth."""
+    """``n`` chat conversations (lists of messages) of five kinds in turn, each distinct while
+    its kind has unused ones; ``held_out``: the last fifth of the topics and code tasks, which
+    training never sees."""
     rng = random.Random(seed)
-    cut = len(TOPICS) * 4 // 5
-    topics = TOPICS[cut:] if held_out else TOPICS[:cut]
-    out = []
+    cut = (lambda xs: xs[len(xs) * 4 // 5 :]) if held_out else (lambda xs: xs[: len(xs) * 4 // 5])
+    topics, tasks = cut(TOPICS), cut(CODE_TASKS)
+    out, seen = [], set()
     for i in range(n):
-        kind = i % 5
-        t = rng.choice(topics)
-        if kind == 0:
-            text = rng.choice(CODE).format(c=rng.choice(CODE_TASKS))
-        elif kind == 1:
-            a, b = rng.randint(2, 999), rng.randint(2, 99)
-            text = f"What is {a} times {b}? Show your steps, then mention {t}."
-        else:
-            text = rng.choice(INSTRUCTIONS).format(t=t)
-        msgs = [{"role": "user", "content": text}]
-        if kind == 4:  # a two-turn chat
-            msgs += [{"role": "assistant", "content": f"Sure, let us talk about {t}."},
-                     {"role": "user", "content": rng.choice(INSTRUCTIONS).format(t=t)}]  # fmt: skip
+        for _ in range(20):
+            msgs = _prompt(rng, i % 5, topics, tasks)
+            if json.dumps(msgs) not in seen:
+                break
+        seen.add(json.dumps(msgs))
         out.append(msgs)
     return out
 
@@ -78,7 +118,7 @@ def log(msg: str) -> None:
     print(f"[train_eagle] {msg}", file=sys.stderr, flush=True)
 
 
-def responses(runner, prompt_ids: list[list[int]], max_tokens: int, batch: int = 16):
+def responses(runner, prompt_ids: list[list[int]], max_tokens: int, batch: int = 48):
     """The target's greedy responses (its own text is what the head will see served)."""
     from backends.runtime.engine import LLMEngine
     from backends.runtime.sampler import SamplingParams
@@ -96,16 +136,22 @@ def responses(runner, prompt_ids: list[list[int]], max_tokens: int, batch: int =
     return out
 
 
-def features(runner, sequences: list[list[int]]) -> list[torch.Tensor]:
-    """The target's final-norm features of every position of each sequence [T, H] (float32)."""
+def features(runner, sequences: list[list[int]], batch: int = 16) -> list[torch.Tensor]:
+    """The target's final-norm features of every position of each sequence [T, H] (float32),
+    ``batch`` sequences per forward."""
     from backends.runtime.runner import SeqInput
 
-    feats = []
-    for seq in sequences:
-        pool = runner.make_pool(-(-len(seq) // 16), 16)
-        _, (f,) = runner.forward(pool, [SeqInput(seq, 0, list(range(pool.num_pages)))],
-                                 last_only=True, features=True)  # fmt: skip
-        feats.append(f.float().clone())
+    feats, t0 = [], time.time()
+    for i in range(0, len(sequences), batch):
+        if i % (20 * batch) == 0:
+            log(f"features {i}/{len(sequences)} ({time.time() - t0:.0f} s)")
+        chunk, seqs, n = sequences[i : i + batch], [], 0
+        for seq in chunk:
+            pages = -(-len(seq) // 16)
+            seqs.append(SeqInput(seq, 0, list(range(n, n + pages))))
+            n += pages
+        _, fs = runner.forward(runner.make_pool(n, 16), seqs, last_only=True, features=True)
+        feats += [f.float().clone() for f in fs]
     return feats
 
 

@@ -17,15 +17,17 @@ attention spelled out, the same math the runtime runs (checked by a test).
 
     .venv/bin/python scripts/train_eagle.py --out models/smollm2-135m-instruct-eagle
 
-(SmolLM2-135M on 2 cores with the defaults: 34 minutes, of which the target's responses and
-features 13 and training 20; ``--minutes`` caps training; ``--data-cache PREFIX`` keeps the
+(SmolLM2-135M on 2 cores with the defaults: 38 minutes, of which the target's responses and
+features 18 and training 21; ``--minutes`` caps training; ``--data-cache PREFIX`` keeps the
 responses and features for another run.)
-Prints one JSON line at the end: data sizes, times, and held-out teacher-forced accuracy.
+Prints one JSON line at the end: data sizes, times, and held-out teacher-forced accuracy on
+response tokens (what serving drafts).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -121,37 +123,40 @@ class HeadModule(torch.nn.Module):
 
 
 def make_batch(items, vocab_map: torch.Tensor, noise: float, steps: int = 1):
-    """items: (tokens [T], feats [T, H]) -> inputs and targets, right-padded: anchors
-    ``i < T - 2`` with their feature ``f_i`` and next feature; per chain step ``s`` the input
-    tokens ``x_{i+1+s}`` [steps, B, L] and the target ``x_{i+2+s}`` in draft ids (-100 where
-    the sequence has none)."""
-    L, H = max(len(t) for t, _ in items) - 2, items[0][1].shape[1]
+    """items: (tokens [T], feats [T, H], prompt length) -> inputs and targets, right-padded:
+    anchors ``i < T - 2`` with their feature ``f_i`` and next feature; per chain step ``s`` the
+    input tokens ``x_{i+1+s}`` [steps, B, L], the target ``x_{i+2+s}`` in draft ids (-100 where
+    the sequence has none) and whether that target is a response token."""
+    L, H = max(len(t) for t, _, _ in items) - 2, items[0][1].shape[1]
     tok = torch.zeros(steps, len(items), L, dtype=torch.long)
     tgt = torch.full((steps, len(items), L), -100, dtype=torch.long)
-    feat, nxt, mask = (torch.zeros(len(items), L, H), torch.zeros(len(items), L, H),
-                       torch.zeros(len(items), L))  # fmt: skip
-    for b, (t, f) in enumerate(items):
+    resp = torch.zeros(steps, len(items), L, dtype=torch.bool)
+    feat, nxt = torch.zeros(len(items), L, H), torch.zeros(len(items), L, H)
+    for b, (t, f, plen) in enumerate(items):
         n = len(t) - 2
-        feat[b, :n], nxt[b, :n], mask[b, :n] = f[:n], f[1 : n + 1], 1.0
+        feat[b, :n], nxt[b, :n] = f[:n], f[1 : n + 1]
         for s in range(min(steps, n)):
             tok[s, b, : n - s], tgt[s, b, : n - s] = t[1 + s : 1 + n], vocab_map[t[2 + s : 2 + n]]
+            resp[s, b, : n - s] = torch.arange(2 + s, 2 + n) >= plen
     if noise:
         feat = feat + noise * torch.randn_like(feat)
-    return tok, feat, tgt, nxt, mask
+    return tok, feat, tgt, nxt, resp
 
 
-def losses(model, batch, feature_weight: float) -> tuple[torch.Tensor, list[float]]:
-    """Cross-entropy summed over the chain steps + the step-0 feature regression. -> (loss,
-    each step's accuracy on its targets)."""
-    tok, feat, tgt, nxt, mask = batch
+def losses(model, batch, feature_weight: float, prompt_weight: float = 1.0):
+    """Cross-entropy summed over the chain steps + the step-0 feature regression, each target
+    weighted 1 if a response token (what serving drafts), else ``prompt_weight``. -> (loss,
+    each step's accuracy on its response targets)."""
+    tok, feat, tgt, nxt, resp = batch
     out = model.chain(list(tok), feat)
+    wt = torch.where(resp, 1.0, prompt_weight) * (tgt >= 0)
     reg = F.smooth_l1_loss(out[0][1], nxt, reduction="none").mean(-1)
-    loss, hits = feature_weight * (reg * mask).sum() / mask.sum(), []
-    for (logits, _), y in zip(out, tgt, strict=True):
-        has = y >= 0
-        if has.any():
-            loss = loss + F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
-        hits.append(float(((logits.argmax(-1) == y) & has).sum() / has.sum().clamp(min=1)))
+    loss, hits = feature_weight * (reg * wt[0]).sum() / wt[0].sum().clamp(min=1e-6), []
+    for (logits, _), y, w, r in zip(out, tgt, wt, resp, strict=True):
+        ce = F.cross_entropy(logits.flatten(0, 1), y.flatten().clamp(min=0), reduction="none")
+        loss = loss + (ce * w.flatten()).sum() / w.sum().clamp(min=1e-6)
+        r = r & (y >= 0)
+        hits.append(float(((logits.argmax(-1) == y) & r).sum() / r.sum().clamp(min=1)))
     return loss, hits
 
 
@@ -165,26 +170,24 @@ def build_data(target, args, held_out: bool):
         rng = random.Random(args.seed + held_out)
         vocab = target.config.vocab_size
         ids = [[rng.randrange(3, vocab) for _ in range(rng.randint(4, 24))] for _ in range(n)]
-    key = {k: getattr(args, k) for k in ("target", "prompts", "eval_prompts", "max_tokens", "seed")}
-    key |= {"held_out": held_out}
+    key = {"target": args.target, "max_tokens": args.max_tokens,
+           "prompts_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest()}  # fmt: skip
     path = args.data_cache and f"{args.data_cache}.{'held' if held_out else 'train'}.safetensors"
-    cached = data.load(path, key) if path else None
-    if cached is not None:
-        return cached
-    outs = data.responses(target, ids, args.max_tokens)
-    seqs = [p + o for p, o in zip(ids, outs, strict=True)]
-    items = [(torch.tensor(s), f) for s, f in zip(seqs, data.features(target, seqs), strict=True)
-             if len(s) > 3]  # fmt: skip
-    if path:
-        data.save(path, key, items)
-    return items
+    pairs = data.load(path, key) if path else None
+    if pairs is None:
+        outs = data.responses(target, ids, args.max_tokens)
+        seqs = [torch.tensor(p + o) for p, o in zip(ids, outs, strict=True)]
+        pairs = list(zip(seqs, data.features(target, [s.tolist() for s in seqs]), strict=True))
+        if path:
+            data.save(path, key, pairs)
+    return [(t, f, len(p)) for (t, f), p in zip(pairs, ids, strict=True)]
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=os.path.join(ROOT, "models/smollm2-135m-instruct"))
     ap.add_argument("--out", default=os.path.join(ROOT, "models/smollm2-135m-instruct-eagle"))
-    ap.add_argument("--prompts", type=int, default=1280, help="training prompts")
+    ap.add_argument("--prompts", type=int, default=2560, help="training prompts")
     ap.add_argument("--eval-prompts", type=int, default=48, help="held-out prompts")
     ap.add_argument("--max-tokens", type=int, default=96, help="response tokens per prompt")
     ap.add_argument("--draft-vocab", type=int, default=8192)
@@ -192,17 +195,19 @@ def parse_args(argv=None):
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--intermediate", type=int, default=1536)
-    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--minutes", type=float, default=25.0, help="training time cap")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--noise", type=float, default=0.05)
     ap.add_argument("--feature-weight", type=float, default=1.0)
+    ap.add_argument("--prompt-weight", type=float, default=0.2,
+                    help="loss weight of prompt targets (response targets weigh 1)")  # fmt: skip
     ap.add_argument("--chain", type=int, default=3,
-                    help="drafting steps trained as served (the head reading its own output)")
+                    help="drafting steps trained as served (the head reads its own output)")
     ap.add_argument("--data-cache", default=None,
-                    help="path prefix: keep the target's responses and features there and reuse"
-                    " them when the target, prompts, max tokens and seed match")  # fmt: skip
+                    help="path prefix: keep the target's responses and features there; reuse"
+                    " them when the target, max tokens and prompts match")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
@@ -217,7 +222,7 @@ def main(argv=None) -> None:
     train, held = build_data(target, args, False), build_data(target, args, True)
     t_data = time.time() - t0
     V = target.config.vocab_size
-    counts = torch.bincount(torch.cat([t[2:] for t, _ in train]), minlength=V)
+    counts = torch.bincount(torch.cat([t[2:] for t, _, _ in train]), minlength=V)
     D = min(args.draft_vocab, int((counts > 0).sum()))
     vocab_ids = counts.argsort(descending=True)[:D].sort().values
     vocab_map = torch.full((target.config.vocab_size,), -100, dtype=torch.long)
@@ -233,7 +238,7 @@ def main(argv=None) -> None:
         random.Random(step).shuffle(train)
         for i in range(0, len(train), args.batch):
             batch = make_batch(train[i : i + args.batch], vocab_map, args.noise, args.chain)
-            loss, hit = losses(model, batch, args.feature_weight)
+            loss, hit = losses(model, batch, args.feature_weight, args.prompt_weight)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -256,11 +261,12 @@ def main(argv=None) -> None:
     coverage = float(counts[vocab_ids].sum() / counts.sum())
     print(json.dumps({
         "out": args.out, "train_sequences": len(train), "held_out_sequences": len(held),
-        "train_tokens": int(sum(len(t) for t, _ in train)), "draft_vocab": D,
+        "train_tokens": int(sum(len(t) for t, _, _ in train)), "draft_vocab": D,
         "draft_vocab_coverage": coverage, "steps": step, "data_s": t_data,
         "train_s": time.time() - t0 - t_data,
         "held_out_loss": sum(float(e[0]) for e in evals) / len(evals),
-        "held_out_chain_acc": [sum(e[1][s] for e in evals) / len(evals) for s in range(args.chain)],
+        "held_out_response_acc": [sum(e[1][s] for e in evals) / len(evals)
+                                  for s in range(args.chain)],
     }))  # fmt: skip
 
 

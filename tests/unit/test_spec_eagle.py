@@ -5,6 +5,9 @@ forward that gives the logits; the head's state survives mixed accepted lengths.
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import runtime_models as rm
 import spec_models as sm
@@ -259,3 +262,22 @@ def test_train_data_cache_round_trip_and_key(tmp_path):
         assert torch.equal(t, t2) and torch.equal(f, f2)
     assert eagle_data.load(path, {"prompts": 3, "seed": 0}) is None
     assert eagle_data.load(str(tmp_path / "none.safetensors"), {}) is None
+
+
+def test_held_out_prompts_share_no_topic_or_code_task_with_training():
+    """eagle_data's split: no held-out prompt (bench or training's evaluation) appears in or
+    mentions a topic or code task of the training prompts, and the training prompts are
+    distinct (a repeated prompt is a repeated greedy response: no new data)."""
+    _train_eagle()
+    import eagle_data as d
+
+    train = [json.dumps(c) for c in d.prompts(2560, 0, False)]
+    held = [json.dumps(c) for s in (0, 1) for c in d.prompts(48, s, True)]
+    assert len(set(train)) == len(train) and not set(train) & set(held)
+    for names in (d.TOPICS, d.CODE_TASKS):
+        cut = len(names) * 4 // 5
+
+        def used(ns):
+            return [n for n in ns if any(re.search(rf"\b{re.escape(n)}\b", h) for h in held)]
+
+        assert not used(names[:cut]) and used(names[cut:])
