@@ -14,8 +14,22 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" GLOG_minloglevel="${GLOG_minloglevel:-2}"
 echo "[test] ruff"
 "$VPY" -m ruff check backends kvtransfer scripts tests model_repository
-# Two pytest workers, a test file each at a time (its module fixtures start once): the suite
-# spends most of its time waiting on servers, startups and timeouts, not computing (one worker:
-# ~14 CPU-minutes in ~27 wall-minutes on 2 cores). PD_TEST_WORKERS=0 runs in this process.
 echo "[test] pytest"
-exec "$VPY" -m pytest -ra --durations=15 -n "${PD_TEST_WORKERS:-2}" --dist loadfile "$@"
+if [ $# -gt 0 ] || [ "${PD_TEST_SERIAL:-0}" = 1 ]; then
+  exec "$VPY" -m pytest -ra --durations=15 "$@"
+fi
+# Two pytest processes at once: the unit tests beside the server tiers (integration, e2e,
+# multihost), which run one test at a time as before and spend most of their time waiting on
+# startups and timeouts, not computing. Only one server test runs at a time: two e2e files at
+# once ran the 24 GiB out. PD_TEST_SERIAL=1 runs everything in one process.
+UNIT_LOG="$(mktemp)"
+trap 'rm -f "$UNIT_LOG"' EXIT
+"$VPY" -m pytest -ra --durations=10 -p no:cacheprovider tests/unit >"$UNIT_LOG" 2>&1 &
+UNIT=$!
+rc=0
+"$VPY" -m pytest -ra --durations=15 tests/integration tests/e2e tests/multihost || rc=$?
+urc=0
+wait "$UNIT" || urc=$?
+echo "[test] tests/unit (ran beside the tiers above):"
+cat "$UNIT_LOG"
+exit $((rc != 0 ? rc : urc))
