@@ -74,6 +74,7 @@ CODE_TASKS = [
     "transposes a matrix",
 ]  # fmt: skip
 OPS = ["plus", "minus", "times"]
+PAGE = 16  # the KV page size of the target's pools here
 
 
 def _prompt(rng: random.Random, kind: int, topics: list[str], tasks: list[str]) -> list[dict]:
@@ -97,15 +98,15 @@ def prompts(n: int, seed: int, held_out: bool) -> list[list[dict]]:
     its kind has unused ones; ``held_out``: the last fifth of the topics and code tasks, which
     training never sees."""
     rng = random.Random(seed)
-    cut = (lambda xs: xs[len(xs) * 4 // 5 :]) if held_out else (lambda xs: xs[: len(xs) * 4 // 5])
-    topics, tasks = cut(TOPICS), cut(CODE_TASKS)
+    topics, tasks = (xs[len(xs) * 4 // 5 :] if held_out else xs[: len(xs) * 4 // 5]
+                     for xs in (TOPICS, CODE_TASKS))  # fmt: skip
     out, seen = [], set()
     for i in range(n):
         for _ in range(20):
             msgs = _prompt(rng, i % 5, topics, tasks)
-            if json.dumps(msgs) not in seen:
+            if (text := json.dumps(msgs)) not in seen:
                 break
-        seen.add(json.dumps(msgs))
+        seen.add(text)
         out.append(msgs)
     return out
 
@@ -124,7 +125,7 @@ def responses(runner, prompt_ids: list[list[int]], max_tokens: int, batch: int =
     from backends.runtime.sampler import SamplingParams
 
     longest = max(len(p) for p in prompt_ids) + max_tokens
-    pool = runner.make_pool(batch * -(-longest // 16) + 1, 16)
+    pool = runner.make_pool(batch * -(-longest // PAGE) + 1, PAGE)
     engine = LLMEngine(runner, pool, max_batch=batch)
     out, t0 = [], time.time()
     for i in range(0, len(prompt_ids), batch):
@@ -147,10 +148,10 @@ def features(runner, sequences: list[list[int]], batch: int = 16) -> list[torch.
             log(f"features {i}/{len(sequences)} ({time.time() - t0:.0f} s)")
         chunk, seqs, n = sequences[i : i + batch], [], 0
         for seq in chunk:
-            pages = -(-len(seq) // 16)
+            pages = -(-len(seq) // PAGE)
             seqs.append(SeqInput(seq, 0, list(range(n, n + pages))))
             n += pages
-        _, fs = runner.forward(runner.make_pool(n, 16), seqs, last_only=True, features=True)
+        _, fs = runner.forward(runner.make_pool(n, PAGE), seqs, last_only=True, features=True)
         feats += [f.float().clone() for f in fs]
     return feats
 

@@ -176,8 +176,9 @@ def build_data(target, args, held_out: bool):
     pairs = data.load(path, key) if path else None
     if pairs is None:
         outs = data.responses(target, ids, args.max_tokens)
-        seqs = [torch.tensor(p + o) for p, o in zip(ids, outs, strict=True)]
-        pairs = list(zip(seqs, data.features(target, [s.tolist() for s in seqs]), strict=True))
+        seqs = [p + o for p, o in zip(ids, outs, strict=True)]
+        feats = data.features(target, seqs)
+        pairs = [(torch.tensor(s), f) for s, f in zip(seqs, feats, strict=True)]
         if path:
             data.save(path, key, pairs)
     return [(t, f, len(p)) for (t, f), p in zip(pairs, ids, strict=True)]
