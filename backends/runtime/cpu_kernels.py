@@ -9,8 +9,9 @@ torch ops (``torch.ops.pd_runtime``).
   write): one pass each where torch runs several small ops.
 * ``csrc/cpu_prefill.cpp``: ``prefill_attention``, causal attention of prompts over themselves
   on the sgemm torch exports;
-* ``csrc/cpu_linear.cpp``: ``linear_small``, linear layers for a few rows (decode), float32 or
-  bfloat16 weights, each weight row read from memory once.
+* ``csrc/cpu_linear.cpp``: ``linear_small``, linear layers for a few rows (decode), float32,
+  bfloat16 or float16 weights (half weights also with float32 activations), each weight row
+  read from memory once.
 
 One library, built against the installed torch (its headers and libraries, no other dependency)
 the first time a process asks for it, into a cache directory keyed by the sources, the torch

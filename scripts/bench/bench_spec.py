@@ -4,10 +4,11 @@ Each batch runs the same chat prompts through the plain engine (target only) and
 speculative engine (self-draft of the target's first K layers, a draft checkpoint or an EAGLE
 head), greedy, up to ``--max-tokens`` tokens per sequence, ending at EOS as served
 (``--ignore-eos``: always ``--max-tokens``); greedy speculation is lossless, so both engines
-produce the same tokens either way. Decode tokens/s counts every token after the first (the
-first comes from prefill) over the time of the steps after admission. Each number is the
-median of --runs runs; the greedy outputs of both engines are compared token for token (column
-``same``).
+produce the same tokens either way. The engines of a batch size take turns, run by run, so
+that a drift of the machine's speed hits them alike. Decode tokens/s counts every token after
+the first (the first comes from prefill) over the time of the steps after admission. Each
+number is the median of --runs runs; the greedy outputs of both engines are compared token for
+token (column ``same``).
 
     python scripts/bench/bench_spec.py                                  # table
     python scripts/bench/bench_spec.py --draft-layers 24 28 --spec-tokens 1 2 4 --batches 1
@@ -71,19 +72,27 @@ def run_once(engine, groups: list[list[list[int]]], max_tokens: int,
     return n / dt, outputs, stats
 
 
-def measure(make_engine, prompts, args) -> dict:
-    engine = make_engine()
-    run_once(engine, [prompts[0][:1]], 4)  # warm up
-    rates, stats, outputs = [], [], None
+def measure(makers: dict, prompts, args) -> dict[str, dict]:
+    """Each engine ``makers`` builds, warmed up, then run in turn ``--runs`` times (a drift of
+    the machine's speed hits them alike) -> per name the median decode tokens/s, the spec stats
+    and the outputs."""
+    engines = {name: make() for name, make in makers.items()}
+    for engine in engines.values():
+        run_once(engine, [prompts[0][:1]], 4)  # warm up
+    rates: dict[str, list] = {name: [] for name in engines}
+    last: dict[str, tuple] = {}
     for _ in range(args.runs):
-        rate, outputs, st = run_once(engine, prompts, args.max_tokens, args.ignore_eos)
-        rates.append(rate)
-        stats.append(st)
-    res = {"decode_tok_s": statistics.median(rates)}
-    if stats[0]:
-        res["acceptance_rate"] = stats[-1]["acceptance_rate"]  # greedy: the same every run
-        res["mean_accepted_length"] = stats[-1]["mean_accepted_length"]
-    return res | {"outputs": outputs}
+        for name, engine in engines.items():
+            rate, outputs, st = run_once(engine, prompts, args.max_tokens, args.ignore_eos)
+            rates[name].append(rate)
+            last[name] = (outputs, st)
+    out = {}
+    for name, (outputs, st) in last.items():
+        res = {"decode_tok_s": statistics.median(rates[name])}
+        if st:  # greedy: the same every run
+            res |= {k: st[k] for k in ("acceptance_rate", "mean_accepted_length")}
+        out[name] = res | {"outputs": outputs}
+    return out
 
 
 def batches_of(texts: list[list[int]], b: int, held_out: int) -> list[list[list[int]]]:
@@ -192,23 +201,24 @@ def main(argv=None) -> int:
         def plain(pages=pages, b=b):
             return LLMEngine(target, target.make_pool(pages, args.page_size), max_batch=b)
 
-        base = measure(plain, prompts, args)
-        log(f"batch {b} target only: {base['decode_tok_s']:.1f} tok/s")
-        rows.append({"config": "target only", "batch": b} | base)
-        for name, draft in drafts.items():
-            for k in args.spec_tokens:
+        def spec(draft, k, pages=pages, b=b):
+            dpool = draft.make_pool(pages, args.page_size, role="draft")
+            pool = target.make_pool(pages, args.page_size)
+            dspec = DraftSpec(draft, dpool, k, args.spec_max_batch)
+            return spec_engine(target, pool, dspec, max_batch=b)
 
-                def spec(draft=draft, k=k, pages=pages, b=b):
-                    dpool = draft.make_pool(pages, args.page_size, role="draft")
-                    pool = target.make_pool(pages, args.page_size)
-                    dspec = DraftSpec(draft, dpool, k, args.spec_max_batch)
-                    return spec_engine(target, pool, dspec, max_batch=b)
-
-                res = measure(spec, prompts, args)
+        makers = {"target only": plain} | {
+            f"{name} k={k}": (lambda d=draft, k=k: spec(d, k))
+            for name, draft in drafts.items() for k in args.spec_tokens
+        }  # fmt: skip
+        results = measure(makers, prompts, args)
+        base = results["target only"]
+        for config, res in results.items():
+            if config != "target only":
                 res["speedup"] = res["decode_tok_s"] / base["decode_tok_s"]
                 res["same"] = res["outputs"] == base["outputs"]
-                log(f"batch {b} {name} k={k}: {res['decode_tok_s']:.1f} tok/s")
-                rows.append({"config": f"{name} k={k}", "batch": b} | res)
+            log(f"batch {b} {config}: {res['decode_tok_s']:.1f} tok/s")
+            rows.append({"config": config, "batch": b} | res)
     pd = pd_row(args, rows, texts) if args.pd else {}
     for r in rows:
         r.pop("outputs")

@@ -42,6 +42,27 @@ def test_linear_matches_f_linear(rows, bias, dtype):
     torch.testing.assert_close(lin(wide[:, :43]), got)
 
 
+@pytest.mark.parametrize("rows", [1, 3, SMALL_ROWS, SMALL_ROWS + 1])
+def test_half_weights_keep_bfloat16_weights_and_float32_activations(rows):
+    """``half_weights``: the weight is rounded to bfloat16 once; every row count (the small-row
+    kernel and the widened F.linear beyond it) computes float32 sums over those same weights."""
+    g = torch.Generator().manual_seed(rows)
+    w, b, x = (
+        torch.randn(50, 43, generator=g),
+        torch.randn(50, generator=g),
+        torch.randn(rows, 43, generator=g),
+    )
+    lin = Linear(w, b, KernelSettings(half_weights=True))
+    assert lin.weight.dtype == torch.bfloat16 and lin.packed is None
+    got = lin(x)
+    assert got.dtype == torch.float32
+    exact = F.linear(x.double(), w.bfloat16().double(), b.double())
+    torch.testing.assert_close(got.double(), exact, atol=1e-4, rtol=1e-5)
+    assert (got.double() - F.linear(x, w, b).double()).abs().max() > 1e-4  # not float32 weights
+    off = KernelSettings(linear="torch", half_weights=True)  # no small-row kernel: as loaded
+    assert Linear(w, b, off).weight.dtype == torch.float32
+
+
 def test_linear_setting_and_fallbacks():
     w = torch.randn(16, 8)
     assert Linear(w, None, KernelSettings(linear="torch")).small is None
@@ -57,13 +78,13 @@ def test_linear_setting_and_fallbacks():
 def test_linear_small_rejects_what_it_cannot_compute():
     op = cpu_ops().linear_small
     w = torch.randn(16, 8)
-    with pytest.raises(RuntimeError, match="bfloat16 or float16 x and w of one dtype"):
+    with pytest.raises(RuntimeError, match="float16 w with x of its dtype or float32"):
         op(torch.ones(2, 8, dtype=torch.float64), w.double(), None)
-    with pytest.raises(RuntimeError, match="bfloat16 or float16 x and w of one dtype"):
-        op(torch.ones(2, 8), w.bfloat16(), None)
+    with pytest.raises(RuntimeError, match="float16 w with x of its dtype or float32"):
+        op(torch.ones(2, 8, dtype=torch.bfloat16), w, None)
     with pytest.raises(RuntimeError, match="x has 9 features, w 8"):
         op(torch.ones(2, 9), w, None)
-    with pytest.raises(RuntimeError, match=r"bias must be \[16\] in Float"):
+    with pytest.raises(RuntimeError, match=r"bias must be \[16\] in Float or Float"):
         op(torch.ones(2, 8), w, torch.ones(15))
     with pytest.raises(RuntimeError, match="w must be contiguous"):
         op(torch.ones(2, 16), w.t(), None)

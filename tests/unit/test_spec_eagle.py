@@ -146,7 +146,15 @@ def _module_and_head(llama, path):
             p.add_(0.05 * torch.randn(p.shape, generator=g))
     cfg = head_checkpoint_config(llama.config, 4, 2, 16, 96, len(vocab_ids))
     save_head(str(path), cfg, module.tensors(vocab_ids))
-    return module, load_draft(llama, path=str(path)), vocab_ids
+    head = load_draft(llama, path=str(path))
+    # a float32 head is served from bfloat16 copies of its linear weights (half the bytes a
+    # call streams); the module's get the same rounding, so the rest must agree to float32
+    assert head.model.fc.weight.dtype == head.model.lm_head.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.dim() == 2:
+                p.copy_(p.bfloat16().float())
+    return module, head, vocab_ids
 
 
 def test_training_module_equals_the_served_head(llama, tmp_path):

@@ -170,16 +170,18 @@ void run(const Problem<W>& p) {
   });
 }
 
-// x, bias and y in w's dtype (float32, bfloat16 or float16); x and bias are widened to float32 up front
-// (a few rows), y rounded once at the end.
+// x, bias and y in w's dtype (float32, bfloat16 or float16), or in float32 with a half w (weights
+// kept in half precision, activations in float32); x and bias are widened to float32 up front (a
+// few rows), y rounded once at the end to x's dtype.
 at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "linear_small: x [M, K] and w [N, K] expected");
   const auto dtype = w.scalar_type();
+  const auto xtype = x.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
-                  x.scalar_type() == dtype,
-              "linear_small: float32, bfloat16 or float16 x and w of one dtype, got ",
-              x.scalar_type(), " and ", dtype);
+                  (xtype == dtype || xtype == at::kFloat),
+              "linear_small: float32, bfloat16 or float16 w with x of its dtype or float32, got x ",
+              xtype, " and w ", dtype);
   TORCH_CHECK(x.size(1) == w.size(1), "linear_small: x has ", x.size(1), " features, w ",
               w.size(1));
   TORCH_CHECK(w.is_contiguous(), "linear_small: w must be contiguous");
@@ -187,8 +189,9 @@ at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w,
   const at::Tensor xf = x.stride(1) == 1 ? x.to(at::kFloat) : x.to(at::kFloat).contiguous();
   at::Tensor bf;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == dtype,
-                "linear_small: bias must be [", N, "] in ", dtype);
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N &&
+                    (bias->scalar_type() == dtype || bias->scalar_type() == xtype),
+                "linear_small: bias must be [", N, "] in ", dtype, " or ", xtype);
     bf = bias->to(at::kFloat).contiguous();
   }
   at::Tensor y = at::empty({M, N}, xf.options());
@@ -206,7 +209,7 @@ at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w,
                              y.data_ptr<float>(), M, N, K, ldx});
     }
   }
-  return dtype == at::kFloat ? y : y.to(dtype);
+  return xtype == at::kFloat ? y : y.to(xtype);
 }
 
 }  // namespace
