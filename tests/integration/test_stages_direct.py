@@ -19,6 +19,20 @@ from kvtransfer import messages as m
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
+class _CancelAfter(Collector):
+    """A client that cancels once it holds ``n`` tokens, from the emit callback itself: a test
+    thread polling for them can wake up after a fast decode has already finished."""
+
+    def __init__(self, n: int, flag: threading.Event):
+        super().__init__()
+        self.n, self.flag = n, flag
+
+    def __call__(self, ev):
+        super().__call__(ev)
+        if len(self.ids) >= self.n:
+            self.flag.set()
+
+
 def test_disaggregated_greedy_equals_transformers_and_frees_pages():
     ckpt = checkpoint("llama")
     prefill = PrefillProcess(**tiny_params(ckpt))
@@ -45,15 +59,12 @@ def test_disaggregated_greedy_equals_transformers_and_frees_pages():
             bootstrap_addr=prefill.addr,
             stream=True,
         )
-        cancelled = Collector()
+        cancelled = _CancelAfter(3, cancel_flag)
         decode.submit(long_req, cancelled, cancel_flag.is_set)
         for i, ids in enumerate(prompts):
             first, err = prefill.prefill(100 + i, ids)
             assert err is None
         assert prefill.prefill(200, prompts[0])[1] is None
-        while len(cancelled.ids) < 3:
-            time.sleep(0.01)
-        cancel_flag.set()
         for c in [*outs, cancelled]:
             assert c.done.wait(60)
         for ids, c in zip(prompts, outs, strict=True):
