@@ -34,6 +34,7 @@ def setup():
         staging_slot_bytes=4 * lay.page_bytes,
         staging_recv_slots=4,
         staging_grants_per_room=2,
+        heartbeat_interval_s=60.0,  # the scripted peer never pongs: chunks, not liveness, here
     )
     rx = KVReceiver(cfg, {"target": lay}, {"target": torch.from_numpy(buf)})
     ctx = zmq.Context()
