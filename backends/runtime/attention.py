@@ -38,8 +38,9 @@ def attend(q, k_new, k_cache, meta, scale, kernels, v_new=None, v_cache=None, v_
     Triton paged kernel for every kind; on CPU the in-place decode kernel and the C++ prefill
     kernel (``auto``). ``kv_scales``: (K, V) scales of an fp8 pool (MLA: one), else None."""
     ks = kv_scales or (1.0, 1.0)
-    if q.device.type in cuda_attn.DEVICE_TYPES and kernels.attention == "auto":
-        out = cuda_attn.cuda_attention(q, k_cache, v_cache, v_dim, meta, scale, ks)
+    if q.device.type in cuda_attn.DEVICE_TYPES and kernels.attention in ("auto", "triton"):
+        strict = kernels.attention == "triton"
+        out = cuda_attn.cuda_attention(q, k_cache, v_cache, v_dim, meta, scale, ks, strict)
         if out is not None:
             return out
     if kv_scales is not None and meta.kind == "prefill":  # as the fp8 pool holds them

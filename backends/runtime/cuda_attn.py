@@ -4,7 +4,9 @@ kind of forward, reading K/V in place from the pool through the batch's page tab
 ``triton`` is imported on the first CUDA forward only, so CPU hosts and the CPU tests never
 import it. If the import or a kernel's compilation fails, the runtime logs one warning and runs
 gather + SDPA (:func:`~backends.runtime.paged.paged_attention`) from then on; so does
-``PD_RUNTIME_ATTENTION=sdpa`` (see :mod:`.kernels`).
+``PD_RUNTIME_ATTENTION=sdpa`` (see :mod:`.kernels`). ``PD_RUNTIME_ATTENTION=triton`` (``strict``
+here) raises those errors instead: the GPU check runs with it, so that a kernel that fails to
+compile fails the check rather than passing on SDPA.
 """
 
 from __future__ import annotations
@@ -28,29 +30,32 @@ _lock = threading.Lock()
 _module = None  # backends.runtime.triton_attn once imported; False once it failed
 
 
-def _kernels():
+def _kernels(strict: bool = False):
     global _module
     with _lock:
-        if _module is None:
+        if _module is None or (strict and _module is False):
             try:
                 from . import triton_attn
 
                 _module = triton_attn
             except ImportError as e:
+                if strict:
+                    raise
                 log.warning("Triton attention unavailable (pip install triton), using SDPA: %s", e)
                 _module = False
         return _module
 
 
 def cuda_attention(q: Tensor, k_cache: Tensor, v_cache, v_dim, meta: BatchMeta, scale: float,
-                   kv_scales=(1.0, 1.0)):
+                   kv_scales=(1.0, 1.0), strict: bool = False):
     """q: [T, H, Dk]; k_cache: [S, Hkv, Dk]; v_cache: [S, Hkv, Dv] or None with ``v_dim`` (MLA:
     the latent's first channels) -> [T, H, Dv], or None off CUDA or where the kernel cannot run
-    (the caller goes eager). ``kv_scales``: (K, V) scales of an fp8 pool."""
+    (the caller goes eager). ``kv_scales``: (K, V) scales of an fp8 pool. ``strict``: a failure
+    raises instead of switching to SDPA."""
     global _module
     if q.device.type not in DEVICE_TYPES or meta.page_table is None:
         return None
-    kernels = _kernels()
+    kernels = _kernels(strict)
     if kernels is False:
         return None
     try:
@@ -60,6 +65,9 @@ def cuda_attention(q: Tensor, k_cache: Tensor, v_cache, v_dim, meta: BatchMeta, 
             max_ctx=meta.read_slots.shape[1], k_scale=kv_scales[0], v_scale=kv_scales[-1],
         )  # fmt: skip
     except Exception as e:  # a Triton compile error, an unsupported GPU, ...
+        if strict:
+            raise
         log.warning("Triton attention failed, using SDPA from now on: %s", e)
         _module = False
         return None
+

@@ -28,7 +28,7 @@ Three settings, read from the environment when a model loads (``KernelSettings.f
   float32 activations: a head call streams half the bytes (2.3 -> 1.6 ms on SmolLM2's head).
   ``mkl``: ``auto`` without the packed copy (small-row kernel, then ``F.linear``) on every host.
   ``torch``: always ``F.linear``.
-* ``PD_RUNTIME_ATTENTION`` = ``auto`` (default) | ``sdpa`` | ``compiled``: attention.
+* ``PD_RUNTIME_ATTENTION`` = ``auto`` (default) | ``sdpa`` | ``compiled`` | ``triton``: attention.
   ``auto``: on CPU the runtime's C++ kernels (:mod:`backends.runtime.cpu_kernels`): decode
   reads K and V rows in place from the pool (measured at 8 x 512 / 32 x 256 / 1 x 512 on SmolLM2
   shapes: 0.52 / 1.23 / 0.06 ms a layer against 1.08 / 2.78 / 0.17 for gather + SDPA), float32
@@ -37,7 +37,8 @@ Three settings, read from the environment when a model loads (``KernelSettings.f
   On CUDA, ``auto`` runs the Triton paged-attention kernel for every kind of forward
   (:mod:`backends.runtime.cuda_attn`, :mod:`backends.runtime.triton_attn`).
   ``sdpa``: always SDPA (decode: gather + SDPA); ``compiled``: the ``torch.compile``'d decode
-  kernel (:mod:`backends.runtime.decode_attn`).
+  kernel (:mod:`backends.runtime.decode_attn`). ``triton``: on CUDA the Triton kernel with no
+  SDPA fallback (its errors raise; scripts/gpu_check.sh runs so), SDPA on CPU.
 * ``PD_RUNTIME_FUSED`` = ``auto`` (default) | ``torch``: the elementwise work of a layer.
   ``auto``: on CPU the runtime's fused C++ ops (:mod:`backends.runtime.cpu_kernels`): RMSNorm
   and residual add + RMSNorm, SiLU-and-multiply, rotary embedding + KV write, one op each where
@@ -56,7 +57,7 @@ import torch.nn.functional as F
 from .cpu_kernels import cpu_ops
 
 LINEAR_CHOICES = ("auto", "mkl", "torch")
-ATTENTION_CHOICES = ("auto", "sdpa", "compiled")
+ATTENTION_CHOICES = ("auto", "sdpa", "compiled", "triton")
 FUSED_CHOICES = ("auto", "torch")
 
 

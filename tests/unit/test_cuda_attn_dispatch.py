@@ -1,6 +1,7 @@
 """The CUDA attention dispatch (``backends/runtime/cuda_attn.py``) without a GPU: CPU forwards
-never import triton, a kernel that fails falls back to SDPA once and for all with one warning,
-and ``PD_RUNTIME_ATTENTION=sdpa`` never calls the kernel."""
+never import triton, a kernel that fails falls back to SDPA once and for all with one warning
+(``PD_RUNTIME_ATTENTION=triton``: the failure raises), and ``PD_RUNTIME_ATTENTION=sdpa`` never
+calls the kernel."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import types
 
+import pytest
 import runtime_models as rm
 import torch
 
@@ -61,6 +63,20 @@ def test_failing_kernel_falls_back_to_sdpa_once(monkeypatch, caplog):
     torch.testing.assert_close(again, want)
     assert calls == [1] and cuda_attn._module is False  # tried once, then SDPA for good
     assert sum("Triton attention failed" in r.message for r in caplog.records) == 1
+
+
+def test_triton_setting_raises_the_kernel_failure(monkeypatch):
+    monkeypatch.setenv("PD_RUNTIME_ATTENTION", "triton")
+    runner = ModelRunner.load(rm.checkpoint("llama"))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(cuda_attn, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(cuda_attn, "_module", types.SimpleNamespace(paged_attention=broken))
+    with pytest.raises(RuntimeError, match="no kernel for this GPU"):
+        forward(runner, rm.random_prompt(7, seed=1))
+    assert cuda_attn._module is not False  # no silent switch to SDPA either
 
 
 def test_sdpa_setting_never_calls_the_kernel(monkeypatch):
