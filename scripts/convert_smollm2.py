@@ -77,7 +77,9 @@ def convert(out: Path) -> None:
     if not getattr(tok, "chat_template", None):
         raise RuntimeError("the GGUF tokenizer carries no chat template")
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-    gen = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
+    # the model config's ids (the GGUF's metadata): transformers 5.17's GGUF tokenizer reports
+    # eos 1 (<|im_start|>), so generate() ran past <|im_end|> (seen on the GPU host)
+    gen = {k: cfg.get(k, getattr(tok, k)) for k in ("bos_token_id", "eos_token_id")}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     os.replace(tmp_st, out / "model.safetensors")  # last: marks the directory complete
     n = sum(v.numel() for v in state.values())

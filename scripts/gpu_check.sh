@@ -13,7 +13,8 @@
 # 3. end to end through tritonserver with prefill and decode placed on GPUs (two GPUs when there
 #    are two: --prefill-gpus 0 --decode-gpus 1; else both on GPU 0), greedy == transformers;
 # 4. benchmarks on CUDA: TTFT colocated / serial / pipelined (bench_ttft --quick), KV transfer
-#    vs raw Mooncake (bench_transfer), decode tok/s vs transformers (bench_runtime).
+#    vs raw Mooncake (bench_transfer), decode tok/s vs transformers (bench_runtime), the Triton
+#    prefill attention vs SDPA (bench_triton_attn).
 # Writes logs and JSON to DIR (default bench_out/gpu) and prints a summary table at the end.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -24,7 +25,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1; shift ;;
     --out) OUT="$2"; shift 2 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -51,12 +52,14 @@ step "GPUs: $NGPU ($(nvidia-smi --query-gpu=name --format=csv,noheader | sort | 
 step "1/4 runtime oracle tests on CUDA"
 ORACLE=(tests/unit/test_runtime_smollm2.py tests/unit/test_runtime_models.py
   tests/unit/test_runtime_batching.py tests/unit/test_runtime_prefill.py
-  tests/unit/test_spec_greedy.py tests/unit/test_spec_prefilled.py)
+  tests/unit/test_spec_greedy.py tests/unit/test_spec_prefilled.py tests/unit/test_spec_eagle.py
+  tests/unit/test_spec_sampling.py)
 run oracle "$VPY" -m pytest -q -p no:cacheprovider "${ORACLE[@]}"
 run oracle_sdpa env PD_RUNTIME_ATTENTION=sdpa "$VPY" -m pytest -q -p no:cacheprovider "${ORACLE[@]}"
 run kernels "$VPY" -m pytest -q -p no:cacheprovider tests/unit/test_triton_attn_cuda.py \
   tests/unit/test_triton_attn_compile.py
-run half "$VPY" -m pytest -q -p no:cacheprovider tests/unit/test_runtime_float16.py
+run half "$VPY" -m pytest -q -p no:cacheprovider tests/unit/test_runtime_float16.py \
+  tests/unit/test_runtime_fp8.py
 run graphs "$VPY" -m pytest -q -p no:cacheprovider tests/unit/test_cuda_graphs.py
 step "2/4 byte-exact grouped transfers from CUDA pools (GQA, MLA, MLA + GQA draft)"
 run transfers "$VPY" -m pytest -q -p no:cacheprovider tests/integration/test_transfer_bytes.py \
@@ -74,6 +77,7 @@ run bench_runtime_fp16 "$VPY" scripts/bench/bench_runtime.py --device cuda --run
   --dtype float16 --json
 run bench_runtime_graphs env PD_RUNTIME_CUDA_GRAPHS=1 "$VPY" scripts/bench/bench_runtime.py \
   --device cuda --runs 3 --json
+run bench_triton_attn "$VPY" scripts/bench/bench_triton_attn.py --json
 
 step "summary"
 printf '%s\n' "${STATUS[@]}"

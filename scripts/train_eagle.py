@@ -219,7 +219,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     t0 = time.time()
-    target = ModelRunner.load(args.target)
+    target = ModelRunner.load(args.target, device="cpu")  # training runs on CPU
     train, held = build_data(target, args, False), build_data(target, args, True)
     t_data = time.time() - t0
     V = target.config.vocab_size

@@ -70,4 +70,3 @@ def cuda_attention(q: Tensor, k_cache: Tensor, v_cache, v_dim, meta: BatchMeta, 
         log.warning("Triton attention failed, using SDPA from now on: %s", e)
         _module = False
         return None
-

@@ -1,5 +1,7 @@
 """Decode steps replayed from CUDA graphs, one per batch-size bucket (opt-in:
-``PD_RUNTIME_CUDA_GRAPHS=1``; not yet verified on a GPU, so off by default).
+``PD_RUNTIME_CUDA_GRAPHS=1``; off by default until a GPU run passes test_cuda_graphs.py: the
+first one, on an H100, found every step after a bucket's first wrong (stale rotary rows, fixed
+since and checked on CPU; see docs/benchmarks.md). There a step ran 4.6-8.5x faster than eager).
 
 A decode step of B sequences launches a few hundred small kernels whose CPU-side launch cost
 exceeds their GPU time at small B. Captured once per bucket (1, 2, 4, ... 64 sequences), a step
@@ -111,6 +113,10 @@ class DecodeGraphs:
         layers = self.runner.config.num_layers
 
         def step() -> torch.Tensor:
+            # a new view of the positions each step: a per-forward lookup keyed on that tensor
+            # (RotaryEmbedding.rows) runs again, inside the graph, instead of reusing the first
+            # step's rows (found on an H100: every step after a bucket's first was wrong)
+            meta.positions = self.positions[:bucket]
             # model.embed checks the ids on the host (a sync, not capturable): run() checks them
             h = F.embedding(self.ids[:bucket], model.embed_tokens)  # [bucket, hidden]
             h = model.run_layers(h, meta, pool.tensor, 0, layers)

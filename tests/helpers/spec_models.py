@@ -18,7 +18,8 @@ def noisy_draft(target: ModelRunner, scale: float, seed: int = 0) -> ModelRunner
     head = target.model.lm_head
     draft = copy.copy(target)
     draft.model = copy.copy(target.model)
-    draft.model.lm_head = head + scale * head.std() * torch.randn(head.shape, generator=g)
+    noise = torch.randn(head.shape, generator=g).to(head.device)
+    draft.model.lm_head = head + scale * head.std() * noise
     return draft
 
 

@@ -299,7 +299,8 @@ def graph_cases(calls: list) -> dict[str, dict]:
     """Decode steps through :class:`backends.runtime.cuda_graphs.DecodeGraphs` with a stand-in
     for CUDA graphs (capture = run once, replay = run again into the same output): the static
     buffers, the bucket padding (3 sequences in the bucket of 4, the 4th on the scratch page)
-    and the Triton attention on them give transformers' greedy tokens."""
+    and the Triton attention on them give transformers' greedy tokens; with the fused C++ ops
+    and with torch's (``-torch-ops``: the rotary rows looked up per forward, as on CUDA)."""
     import runtime_models as rm
 
     from backends.runtime.engine import LLMEngine
@@ -311,9 +312,10 @@ def graph_cases(calls: list) -> dict[str, dict]:
         return (lambda: out.copy_(fn())), out
 
     results = {}
-    for kind in GRAPH_KINDS:
+    for kind, fused in [(k, f) for k in GRAPH_KINDS for f in ("auto", "torch")]:
         t0, err = time.perf_counter(), None
         try:
+            os.environ["PD_RUNTIME_FUSED"] = fused
             runner = ModelRunner.load(rm.checkpoint(kind))
             runner.use_graphs, runner.graph_factory = True, fake_capture
             prompts = [rm.random_prompt(n, seed=n) for n in (5, 19, 9)]
@@ -331,7 +333,9 @@ def graph_cases(calls: list) -> dict[str, dict]:
             assert pool.num_free == 24 - 1  # the scratch page, held by the graphs
         except AssertionError as e:
             err = str(e) or repr(e)
-        results[f"graphs-{kind}"] = _verdict(err, t0)
+        finally:
+            os.environ.pop("PD_RUNTIME_FUSED")
+        results[f"graphs-{kind}" + ("-torch-ops" if fused == "torch" else "")] = _verdict(err, t0)
     return results
 
 

@@ -91,7 +91,7 @@ def test_features_are_the_final_norm_hidden_states(llama):
     pool = llama.make_pool(8, 4)
     pages = pool.alloc(3)
     (logits,), (feats,) = llama.forward(pool, [SeqInput(prompt, 0, pages)], features=True)
-    h = llama.model.embed(torch.tensor(prompt))
+    h = llama.model.embed(torch.tensor(prompt, device=llama.device))
     meta = llama._meta(pool, [(0, len(prompt), pages)])
     pool2 = llama.make_pool(8, 4)
     h = llama.model.run_layers(h, meta, pool2.tensor, 0, llama.config.num_layers)
@@ -132,14 +132,17 @@ def _train_eagle():
 
 def _module_and_head(llama, path):
     """train_eagle.py's training module, moved away from its identity start so every weight
-    matters, and the same weights loaded as the runtime serves them."""
+    matters, and the same weights loaded as the runtime serves them (on ``llama``'s device; the
+    module trains on CPU)."""
     from backends.runtime.eagle import head_checkpoint_config, save_head
+    from backends.runtime.runner import ModelRunner
 
     te = _train_eagle()
     args = te.parse_args(["--heads", "4", "--kv-heads", "2", "--head-dim", "16",
                           "--intermediate", "96"])  # fmt: skip
     vocab_ids = torch.arange(3, 131)
-    module = te.HeadModule(llama, args, vocab_ids)
+    cpu = ModelRunner.load(rm.checkpoint("llama"), device="cpu")
+    module = te.HeadModule(cpu, args, vocab_ids)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in module.parameters():
@@ -147,12 +150,14 @@ def _module_and_head(llama, path):
     cfg = head_checkpoint_config(llama.config, 4, 2, 16, 96, len(vocab_ids))
     save_head(str(path), cfg, module.tensors(vocab_ids))
     head = load_draft(llama, path=str(path))
-    # a float32 head is served from bfloat16 copies of its linear weights (half the bytes a
-    # call streams); the module's get the same rounding, so the rest must agree to float32
-    assert head.model.fc.weight.dtype == head.model.lm_head.weight.dtype == torch.bfloat16
+    # on CPU a float32 head is served from bfloat16 copies of its linear weights (half the bytes
+    # a call streams); the module's get the same rounding, so the rest must agree to float32
+    half = llama.device.type == "cpu"
+    want = torch.bfloat16 if half else torch.float32
+    assert head.model.fc.weight.dtype == head.model.lm_head.weight.dtype == want
     with torch.no_grad():
         for p in module.parameters():
-            if p.dim() == 2:
+            if p.dim() == 2 and half:
                 p.copy_(p.bfloat16().float())
     return module, head, vocab_ids
 
@@ -168,8 +173,12 @@ def test_training_module_equals_the_served_head(llama, tmp_path):
         want_logits, want_g = module(tokens, feats)
     pool = head.make_pool(8, 4)
     (got_logits,), (got_g,) = head.forward_head(
-        pool, [SeqInput(tokens[0].tolist(), 0, pool.alloc(3))], [feats[0]], last_only=False
+        pool,
+        [SeqInput(tokens[0].tolist(), 0, pool.alloc(3))],
+        [feats[0].to(llama.device)],
+        last_only=False,
     )
+    got_g, got_logits = got_g.cpu(), got_logits.cpu()
     torch.testing.assert_close(got_g, want_g[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got_logits[:, vocab_ids], want_logits[0], atol=1e-4, rtol=1e-4)
     assert bool(torch.isinf(got_logits[:, 0]).all())  # outside the draft vocabulary
@@ -191,13 +200,14 @@ def test_training_chain_equals_the_served_chain(llama, tmp_path):
         pool = head.make_pool(8, 4)
         pages = pool.alloc(4)
         real = SeqInput(x[1 : i + 2], 0, pages)  # the pairs (f_j, x_{j+1}), j <= i
-        (lg,), (out,) = head.forward_head(pool, [real], [feats[: i + 1]])
+        (lg,), (out,) = head.forward_head(pool, [real], [feats[: i + 1].to(llama.device)])
         got = [lg[-1]]
         for s in (1, 2):
             (lg,), (out,) = head.forward_head(pool, [SeqInput([x[i + 1 + s]], i + s, pages)], [out])
             got.append(lg[-1])
         for s in range(3):
-            torch.testing.assert_close(got[s][vocab_ids], want[s][0][0, i], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got[s].cpu()[vocab_ids], want[s][0][0, i], atol=1e-4,
+                                       rtol=1e-4)  # fmt: skip
 
 
 def test_train_eagle_end_to_end_on_a_tiny_target(llama):
@@ -232,7 +242,7 @@ def test_sampling_with_a_head_follows_the_target_distribution(llama):
     dspec.pool.tensor[:, :, 1:] = dspec.pool.tensor[:, :, :1]
     g = torch.Generator().manual_seed(1)
     t = t_logits[-1]
-    noisy = t + 0.6 * t.std() * torch.randn(t.shape[-1], generator=g)
+    noisy = t + 0.6 * t.std() * torch.randn(t.shape[-1], generator=g).to(t.device)
     real = head.forward_head
 
     def noisy_head(pool, seqs, feats, last_only=True, logits=True):
@@ -249,7 +259,7 @@ def test_sampling_with_a_head_follows_the_target_distribution(llama):
     engine.step()  # admission: reports `first`
     out = engine.step()  # one speculative step (k clamped to 1 by max_tokens = 3)
     counts = torch.bincount(torch.tensor([t[0] for t in out.new_tokens.values()]), minlength=256)
-    p, q = probs(t_logits[-1:], params[0])[0], probs(noisy[None], params[0])[0]
+    p, q = probs(t_logits[-1:], params[0])[0].cpu(), probs(noisy[None], params[0])[0].cpu()
     assert _tv(p, q) > 0.3  # the draft is far from the target, so a wrong rule shows
     assert 0.2 < engine.stats.acceptance_rate < 0.8  # both accept and reject paths ran
     assert _chi2(counts.float(), p) < CHI2_999[4]

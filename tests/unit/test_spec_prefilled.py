@@ -21,8 +21,12 @@ def _copy_pages(src: KVPool, src_pages, dst: KVPool, dst_pages) -> None:
     """Stands in for kvtransfer: the pages' bytes, all layers, into the decode pool."""
     assert src.layout.signature() == dst.layout.signature()
     dim = _page_dim(src)
-    data = src.tensor.index_select(dim, torch.tensor(src_pages))
-    dst.tensor.index_copy_(dim, torch.tensor(dst_pages), data)
+    data = src.tensor.index_select(dim, _ids(src_pages, src))
+    dst.tensor.index_copy_(dim, _ids(dst_pages, dst), data)
+
+
+def _ids(pages, pool: KVPool) -> torch.Tensor:
+    return torch.tensor(pages, device=pool.tensor.device)
 
 
 def _prefill_elsewhere(target, draft, engine, prompt, sid, params, with_draft=True):
@@ -41,8 +45,8 @@ def _prefill_elsewhere(target, draft, engine, prompt, sid, params, with_draft=Tr
     d_dst = engine.draft.pool.alloc(len(d_pages))
     _copy_pages(d_src, d_pages, engine.draft.pool, d_dst)
     assert torch.equal(  # the draft KV bytes at decode equal the ones computed at prefill
-        engine.draft.pool.tensor.index_select(_page_dim(d_src), torch.tensor(d_dst)),
-        d_src.tensor.index_select(_page_dim(d_src), torch.tensor(d_pages)),
+        engine.draft.pool.tensor.index_select(_page_dim(d_src), _ids(d_dst, d_src)),
+        d_src.tensor.index_select(_page_dim(d_src), _ids(d_pages, d_src)),
     )
     return engine.add_prefilled(sid, prompt, dst, first, params, draft_pages=d_dst)
 

