@@ -15,6 +15,8 @@
 # 4. benchmarks on CUDA: TTFT colocated / serial / pipelined (bench_ttft --quick), KV transfer
 #    vs raw Mooncake (bench_transfer), decode tok/s vs transformers (bench_runtime), the Triton
 #    prefill attention vs SDPA (bench_triton_attn).
+# Steps 2-3 and the transfer/TTFT benchmarks need Mooncake and tritonserver: without them they are
+# listed as SKIPPED with the reason. PD_PYTHON: a Python with CUDA torch other than .venv's.
 # Writes logs and JSON to DIR (default bench_out/gpu) and prints a summary table at the end.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,7 +27,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1; shift ;;
     --out) OUT="$2"; shift 2 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -47,6 +49,10 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, remember pass/fail, go on
   if "$@" >"$OUT/$name.log" 2>&1; then STATUS+=("$name: ok"); else STATUS+=("$name: FAILED (see $OUT/$name.log)"); fi
   tail -n 3 "$OUT/$name.log"
 }
+# what the later steps need beyond torch + Triton; a host without it skips them, said so
+MISSING_MOONCAKE="$("$VPY" -c 'from kvtransfer.engine import _load_transfer_engine as f; f()' 2>&1 | tail -n 1)"
+MISSING_TRITON="$("$VPY" scripts/triton_paths.py 2>&1 >/dev/null | tail -n 1)"
+skip() { STATUS+=("$1: SKIPPED ($2)"); echo "skipped: $2"; }
 
 step "GPUs: $NGPU ($(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs))"
 step "1/4 runtime oracle tests on CUDA"
@@ -62,14 +68,22 @@ run half "$VPY" -m pytest -q -p no:cacheprovider tests/unit/test_runtime_float16
   tests/unit/test_runtime_fp8.py
 run graphs "$VPY" -m pytest -q -p no:cacheprovider tests/unit/test_cuda_graphs.py
 step "2/4 byte-exact grouped transfers from CUDA pools (GQA, MLA, MLA + GQA draft)"
-run transfers "$VPY" -m pytest -q -p no:cacheprovider tests/integration/test_transfer_bytes.py \
-  tests/integration/test_transfer_overlap.py
+if [ -n "$MISSING_MOONCAKE" ]; then skip transfers "$MISSING_MOONCAKE"; else
+  run transfers "$VPY" -m pytest -q -p no:cacheprovider tests/integration/test_transfer_bytes.py \
+    tests/integration/test_transfer_overlap.py
+fi
 step "3/4 end to end through tritonserver, stages on GPUs"
-run e2e "$VPY" -m pytest -q -p no:cacheprovider tests/e2e/test_e2e_gpu.py
+if [ -n "$MISSING_MOONCAKE$MISSING_TRITON" ]; then skip e2e "$MISSING_MOONCAKE$MISSING_TRITON"; else
+  run e2e "$VPY" -m pytest -q -p no:cacheprovider tests/e2e/test_e2e_gpu.py
+fi
 step "4/4 benchmarks on CUDA"
 REQ=5; [ "$QUICK" = 1 ] && REQ=2
-run bench_transfer "$VPY" scripts/bench/bench_transfer.py --device cuda --requests "$REQ" --json
-run bench_ttft "$VPY" scripts/bench/bench_ttft.py --quick --device cuda --out "$OUT/ttft" --json
+if [ -n "$MISSING_MOONCAKE$MISSING_TRITON" ]; then
+  skip bench_transfer+ttft "$MISSING_MOONCAKE$MISSING_TRITON"
+else
+  run bench_transfer "$VPY" scripts/bench/bench_transfer.py --device cuda --requests "$REQ" --json
+  run bench_ttft "$VPY" scripts/bench/bench_ttft.py --quick --device cuda --out "$OUT/ttft" --json
+fi
 run bench_runtime "$VPY" scripts/bench/bench_runtime.py --device cuda --runs 3 --json
 run bench_runtime_sdpa env PD_RUNTIME_ATTENTION=sdpa "$VPY" scripts/bench/bench_runtime.py \
   --device cuda --runs 3 --json

@@ -1,7 +1,9 @@
-"""Small pieces every benchmark script shares: progress logging and the run's metadata."""
+"""Small pieces every benchmark script shares: progress logging, the run's metadata, and the
+result printed as JSON or as a table."""
 
 from __future__ import annotations
 
+import json
 import platform
 import sys
 
@@ -24,3 +26,14 @@ def run_meta(args, **extra) -> dict:
         "cpu": platform.processor() or platform.machine(),
         **extra,
     }
+
+
+def emit(out: dict, as_json: bool, header: list[str], rows) -> None:
+    """``out`` as one JSON object, or ``rows`` (lists of cells) as a markdown table."""
+    if as_json:
+        print(json.dumps(out))
+        return
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(str(c) for c in row) + " |")

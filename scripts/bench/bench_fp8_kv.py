@@ -16,7 +16,6 @@ For each model (SmolLM2 and the tests' tiny models) and each scale choice:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "helpers"))
 
 import torch  # noqa: E402
+from bench_common import emit  # noqa: E402
 
 from backends.runtime import kv_quant  # noqa: E402
 from backends.runtime.engine import LLMEngine  # noqa: E402
@@ -126,17 +126,12 @@ def main() -> None:
     paths = [SMOL, *(rm.checkpoint(k) for k in args.tiny)]
     rows = [bench_model(p, args.prompts, args.max_tokens) for p in paths]
     out = {"command": "scripts/bench/bench_fp8_kv.py " + " ".join(sys.argv[1:]), "models": rows}
-    if args.json:
-        print(json.dumps(out))
-        return
-    print("| model | scales | KV rel. RMS error | equal tokens (mean) | equal until near-tie |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        for name in ("calibrated", "scale_1.0"):
-            c = r[name]
-            print(f"| {r['model']} | {name} | {c['kv_rel_rms']:.4f} | {c['equal_tokens']:.1f}"
-                  f" of {r['max_tokens']} | {c['until_near_tie']:.0%} |")  # fmt: skip
-
+    header = ["model", "scales", "KV rel. RMS error", "equal tokens (mean)", "equal until near-tie"]
+    emit(out, args.json, header, [
+        [r["model"], name, f"{r[name]['kv_rel_rms']:.4f}",
+         f"{r[name]['equal_tokens']:.1f} of {r['max_tokens']}", f"{r[name]['until_near_tie']:.0%}"]
+        for r in rows for name in ("calibrated", "scale_1.0")
+    ])  # fmt: skip
 
 if __name__ == "__main__":
     main()

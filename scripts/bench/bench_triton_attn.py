@@ -9,13 +9,14 @@ not timed for), relative error against a float32 SDPA, median times and TFLOP/s.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from bench_common import emit  # noqa: E402
 
 from backends.runtime import triton_attn as ta  # noqa: E402
 
@@ -80,18 +81,12 @@ def main() -> None:
         for shape in args.shapes for dt in args.dtypes for T in args.tokens
     ]  # fmt: skip
     out = {"device": torch.cuda.get_device_name(), "block_n": args.block_n, "rows": rows}
-    if args.json:
-        print(json.dumps(out))
-        return
-    print("| tokens | H/Hkv x D | dtype | triton ms | TFLOP/s | sdpa ms | TFLOP/s | ratio |")
-    print("|---:|---|---|---:|---:|---:|---:|---:|")
-    for r in rows:
-        t, s = r["triton"], r["sdpa"]
-        print(
-            f"| {r['tokens']} | {r['heads']}/{r['kv_heads']} x {r['head_dim']} | {r['dtype']} |"
-            f" {t['ms']} | {t['tflops']} | {s['ms']} | {s['tflops']} | {r['triton_over_sdpa']} |"
-        )
-
+    header = ["tokens", "H/Hkv x D", "dtype", "triton ms", "TFLOP/s", "sdpa ms", "TFLOP/s", "ratio"]
+    emit(out, args.json, header, [
+        [r["tokens"], f"{r['heads']}/{r['kv_heads']} x {r['head_dim']}", r["dtype"],
+         r["triton"]["ms"], r["triton"]["tflops"], r["sdpa"]["ms"], r["sdpa"]["tflops"],
+         r["triton_over_sdpa"]] for r in rows
+    ])  # fmt: skip
 
 if __name__ == "__main__":
     main()
