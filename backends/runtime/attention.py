@@ -54,7 +54,7 @@ def attend(q, k_new, k_cache, meta, scale, kernels, v_new=None, v_cache=None, v_
         out = cpu_decode_attention(q, k_cache, v_cache, v_dim, meta, scale, ks)
         if out is not None:
             return out
-    if meta.kind == "decode" and kernels.attention != "sdpa":
+    if meta.kind == "decode" and kernels.attention in ("auto", "compiled"):
         if kernels.attention == "compiled":
             out = decode_attention(q, k_cache, v_cache, v_dim, meta, scale)
         else:
