@@ -150,9 +150,9 @@ class StageParams:
         "self-draft: keep the target's first N layers (+ final norm and head); < target layers",
     )
     spec_tokens: int = _p(2, ("decode",), "draft tokens proposed per verify step (k)")
-    spec_max_batch: int = _p(0, ("decode",), "a step of more running sequences drafts nothing"
-                             " (where decode is compute-bound, as on CPU, verifying k + 1 rows"
-                             " each costs more than it saves); 0 = no limit")  # fmt: skip
+    spec_max_batch: int = _p(2, ("decode",), "a step of more running sequences drafts nothing"
+                             " (on CPU, k + 1 verify rows each then cost more than they save, see"
+                             " docs/serving.md); 0 = no limit (GPUs)")  # fmt: skip
     prefill_servers: str = _p(
         "",
         ROUTED,

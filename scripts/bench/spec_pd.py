@@ -24,7 +24,7 @@ def pd_spec_stats(model: str, draft: str, k: int, prompts: list[list[int]], max_
     per = -(-(max(map(len, prompts)) + max_tokens) // page_size) + 1
     limit = ModelConfig.from_pretrained(model).max_position_embeddings
     params = dict(model_dir=model, page_size=page_size, num_pages=per * len(prompts) + 8,
-                  spec_enabled=True, draft_model_dir=draft, spec_tokens=k,
+                  spec_enabled=True, draft_model_dir=draft, spec_tokens=k, spec_max_batch=0,
                   max_batch=len(prompts), bootstrap_timeout_s=60.0,
                   max_context=min(limit, 2048), max_tokens_limit=min(limit, 2048) - 1)  # fmt: skip
     prefill = PrefillProcess(**params)
