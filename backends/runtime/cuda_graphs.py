@@ -1,7 +1,7 @@
 """Decode steps replayed from CUDA graphs, one per batch-size bucket (opt-in:
-``PD_RUNTIME_CUDA_GRAPHS=1``; off by default until a GPU run passes test_cuda_graphs.py: the
-first one, on an H100, found every step after a bucket's first wrong (stale rotary rows, fixed
-since and checked on CPU; see docs/benchmarks.md). There a step ran 4.6-8.5x faster than eager).
+``PD_RUNTIME_CUDA_GRAPHS=1``). Off by default until a GPU run passes test_cuda_graphs.py. The
+first GPU run, on an H100, decoded 4.6-8.5x faster than eager, but every step after a bucket's
+first was wrong: stale rotary rows, fixed since and checked on CPU (see docs/benchmarks.md).
 
 A decode step of B sequences launches a few hundred small kernels whose CPU-side launch cost
 exceeds their GPU time at small B. Captured once per bucket (1, 2, 4, ... 64 sequences), a step
