@@ -77,13 +77,17 @@ def convert(out: Path) -> None:
     if not getattr(tok, "chat_template", None):
         raise RuntimeError("the GGUF tokenizer carries no chat template")
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-    # the model config's ids (the GGUF's metadata): transformers 5.17's GGUF tokenizer reports
-    # eos 1 (<|im_start|>), so generate() ran past <|im_end|> (seen on the GPU host)
-    gen = {k: cfg.get(k, getattr(tok, k)) for k in ("bos_token_id", "eos_token_id")}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(generation_config(cfg, tok), indent=2))
     os.replace(tmp_st, out / "model.safetensors")  # last: marks the directory complete
     n = sum(v.numel() for v in state.values())
     log(f"wrote {out} ({n / 1e6:.1f}M parameters, {len(state)} tensors)")
+
+
+def generation_config(cfg: dict, tok) -> dict:
+    """bos/eos from the model config (the GGUF's metadata), the tokenizer's only where it has
+    none: transformers 5.17's GGUF tokenizer reports eos 1 (<|im_start|>), so generate() ran past
+    <|im_end|> (seen on the GPU host)."""
+    return {k: cfg.get(k, getattr(tok, k)) for k in ("bos_token_id", "eos_token_id")}
 
 
 def main() -> None:

@@ -50,8 +50,11 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, remember pass/fail, go on
   tail -n 3 "$OUT/$name.log"
 }
 # what the later steps need beyond torch + Triton; a host without it skips them, said so
-MISSING_MOONCAKE="$("$VPY" -c 'from kvtransfer.engine import _load_transfer_engine as f; f()' 2>&1 | tail -n 1)"
-MISSING_TRITON="$("$VPY" scripts/triton_paths.py 2>&1 >/dev/null | tail -n 1)"
+why_missing() {  # why_missing CMD...: nothing if CMD succeeds, else its last line of errors
+  local err; err="$("$@" 2>&1 >/dev/null)" && return 0; tail -n 1 <<<"$err"
+}
+MISSING_MOONCAKE="$(why_missing "$VPY" -c 'from kvtransfer.engine import _load_transfer_engine as f; f()')"
+MISSING_TRITON="$(why_missing "$VPY" scripts/triton_paths.py)"
 skip() { STATUS+=("$1: SKIPPED ($2)"); echo "skipped: $2"; }
 
 step "GPUs: $NGPU ($(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs))"

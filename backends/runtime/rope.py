@@ -93,7 +93,9 @@ class RotaryEmbedding:
 
     def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin at ``positions``: [T, 1, dim/2]. Looked up once per forward: every layer
-        passes the same ``positions`` tensor (the batch metadata's)."""
+        passes the same ``positions`` tensor (the batch metadata's). Keyed by that tensor's
+        identity, so a caller that rewrites a positions tensor in place between forwards (CUDA
+        graphs' static buffers) passes a new view of it each forward."""
         rows = self._rows
         if rows is None or rows[0] is not positions:
             cos, sin = self.tables()

@@ -88,5 +88,6 @@ def main() -> None:
          r["triton_over_sdpa"]] for r in rows
     ])  # fmt: skip
 
+
 if __name__ == "__main__":
     main()

@@ -1,4 +1,5 @@
-"""scripts/generate.py end to end (subprocess) on a tiny checkpoint."""
+"""scripts/generate.py end to end (subprocess) on a tiny checkpoint; the generation config that
+scripts/convert_smollm2.py writes."""
 
 from __future__ import annotations
 
@@ -48,3 +49,18 @@ def test_generate_requests_file(tmp_path):
     res = _run("--model", rm.checkpoint("llama"), "--requests", str(reqs), "--ignore-eos")
     assert [len(r["output_ids"]) for r in res] == [3, 5, 5]
     assert res[1]["output_ids"] == res[2]["output_ids"]  # same seed, same draw
+
+
+def test_converted_generation_config_takes_eos_from_the_model_config():
+    """transformers 5.17's GGUF tokenizer reports eos 1 where the model config says 2: the
+    converted generation_config.json must keep the model config's ids."""
+    import types
+
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from convert_smollm2 import generation_config
+
+    tok = types.SimpleNamespace(bos_token_id=1, eos_token_id=1)
+    assert generation_config({"bos_token_id": 1, "eos_token_id": 2}, tok) == {
+        "bos_token_id": 1, "eos_token_id": 2,
+    }  # fmt: skip
+    assert generation_config({}, tok) == {"bos_token_id": 1, "eos_token_id": 1}
