@@ -20,7 +20,6 @@ run reaches the target and can be accounted for.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import random
@@ -34,6 +33,7 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 import zmq  # noqa: E402
 from fuzz_messages import Mutator  # noqa: E402
 from kvpeer import PeerProcess  # noqa: E402
+from soak_lib import print_result  # noqa: E402
 
 from backends.stages.cancel import MAX_CANCEL_FRAME  # noqa: E402
 from kvtransfer.control import CONTROL_FRAME_BYTES  # noqa: E402
@@ -306,13 +306,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-progress", dest="progress", action="store_false")
     args = ap.parse_args(argv)
-    result = run(args)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for k, v in result.items():
-            print(f"{k}: {v}")
-    return 0 if result["ok"] else 1
+    return print_result(run(args), args.json)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ stage and the server is ready.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -36,7 +35,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "helpers")]
 os.environ.setdefault("GLOG_minloglevel", "2")
 
 import proc_net  # noqa: E402
-from soak_lib import Outcome, reference_outputs, summarize  # noqa: E402
+from soak_lib import Outcome, print_result, reference_outputs, summarize  # noqa: E402
 from triton_harness import GrpcStream, grpc_input, launch, stop, wait_pages_free  # noqa: E402
 
 
@@ -163,13 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    result = run(args)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for k, v in result.items():
-            print(f"{k}: {v}")
-    return 0 if result["ok"] else 1
+    return print_result(run(args), args.json)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""Pieces of scripts/soak.py: the colocated references, how a request ended, the verdict."""
+"""Pieces of scripts/soak.py (and fuzz_control.py): the colocated references, how a request
+ended, the verdict and its report."""
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 from dataclasses import dataclass
@@ -102,3 +104,13 @@ def summarize(outcomes, refs, pages, server_ready, killed, seconds) -> dict:
         "killed_prefill_pid": killed,
         "seconds": round(seconds, 1),
     }
+
+
+def print_result(result: dict, as_json: bool) -> int:
+    """Print a run's verdict (one JSON object, or a line per field); the exit status."""
+    if as_json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k}: {v}")
+    return 0 if result["ok"] else 1

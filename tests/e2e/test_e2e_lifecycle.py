@@ -60,7 +60,7 @@ def test_a_killed_stage_process_is_reloaded_and_serves_the_same_tokens(tmp_path,
             log = f.read()
         assert log.count("[supervise]") >= 2 and "model decode reloaded" in log
     finally:
-        stop(srv, serve, env)
+        stop(srv, serve, env, timeout_s=5)  # a dead version lingers
 
 
 def test_stop_during_long_requests_leaves_no_process_and_errors_the_clients(tmp_path):

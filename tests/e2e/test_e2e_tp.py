@@ -105,7 +105,7 @@ def test_prefill_tp3_decode_tp1_equals_transformers_and_survives_a_killed_rank(t
         assert re.search(r"tensor-parallel rank \d died \(exit code -9\)", log)
         assert "model prefill reloaded" in log
     finally:
-        stop(srv, serve, env)
+        stop(srv, serve, env, timeout_s=5)  # a dead version lingers
 
 
 def test_prefill_tp1_decode_tp3_equals_transformers(tmp_path, reference):

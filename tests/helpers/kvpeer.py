@@ -215,6 +215,12 @@ class Peer:
         st = self.kv.wait(room, timeout)
         return st.name, self.kv.failure_reason(room)
 
+    def ended(self, room: int) -> tuple[str, str] | None:
+        """(status, reason) once the room has ended, its pages released or not (``wait`` also
+        waits for the release, which a quarantined room holds back); None before."""
+        st = self.kv.poll(room)
+        return (st.name, self.kv.failure_reason(room)) if st.ended else None
+
     def stats(self) -> dict:
         return self.kv.stats()
 

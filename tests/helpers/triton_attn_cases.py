@@ -283,7 +283,10 @@ def fp8_cases(calls: list) -> dict[str, dict]:
                 want = _fp8_logits(runner, prompt)
             finally:
                 cuda_attn.DEVICE_TYPES = ("cuda", "cpu")
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            # float32 summation orders differ (the interpreter against SDPA / the C++ kernel):
+            # seen 1.15e-4 on one logit of 5,632 on an AVX-512 host; a wrong scale or page is
+            # off by orders of magnitude more
+            torch.testing.assert_close(got, want, atol=5e-4, rtol=1e-3)
         except AssertionError as e:
             err = str(e) or repr(e)
         results[f"fp8-runtime-{kind}"] = _verdict(err, t0)

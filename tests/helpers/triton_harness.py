@@ -81,9 +81,13 @@ def launch(
     return srv, serve, env
 
 
-def stop(srv: Server, serve: list[str], env: dict) -> None:
+def stop(srv: Server, serve: list[str], env: dict, timeout_s: int = 30) -> None:
+    """``serve.sh --stop``. After a stub died and its model was reloaded, Triton never unloads
+    the dead version, so the stop takes the whole ``timeout_s`` (docs/operations.md): tests
+    that killed a stub pass a short one."""
     port = srv.http.rsplit(":", 1)[1]
-    subprocess.run(serve[:1] + ["--stop", "--http-port", port], env=env, timeout=60)
+    cmd = serve[:1] + ["--stop", "--http-port", port, "--stop-timeout", str(timeout_s)]
+    subprocess.run(cmd, env=env, timeout=timeout_s + 30)
 
 
 # ---- reference ---------------------------------------------------------------------------------
