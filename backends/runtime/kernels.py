@@ -22,7 +22,11 @@ Three settings, read from the environment when a model loads (``KernelSettings.f
   ``PACKED_FROM_ROWS`` rows on: measured on the 2-core AVX-512 host (same bench, float32, ms,
   small-row / packed / ``F.linear``): 1 row 23.4 / 28.2 / 47.9; 2 rows 23.4 / 27.2 / 88.6;
   4 rows 31.6 / 24.6 / 65.3; 8 rows 46.2 / 32.9 / 79.8; 64 rows 164.6 / 100.2 / 175.3; 512 rows
-  - / 524.2 / 718.1 (the AVX2 host above measured MKL ahead at prefill sizes).
+  - / 524.2 / 718.1 (the AVX2 host above measured MKL ahead at prefill sizes). Since then the
+  small-row kernel runs float32 from 3 rows on 16-float AVX-512 vectors in 3 x 8 tiles there
+  (medians of 3 interleaved runs, same host class: 4 rows 26.5 / 32.2 / 43.1; 8 rows 33.9 /
+  42.6 / 55.9; 16 rows 61.9 / 55.7 / 75.6; 32 rows 108.4 / 77.0 / 91.5), so it runs up to 8
+  rows and the packed copy from 9.
   A model built with ``KernelSettings(half_weights=True)`` (an EAGLE head; not an environment
   setting) keeps float32 linear weights in bfloat16 where the small-row kernel runs, with
   float32 activations: a head call streams half the bytes (2.3 -> 1.6 ms on SmolLM2's head).
@@ -138,7 +142,7 @@ def slow_bf16_gemm() -> bool:
         return True
 
 
-PACKED_FROM_ROWS = 3  # AVX-512 hosts: oneDNN's packed GEMM from this many rows (crossover: 2-4)
+PACKED_FROM_ROWS = 9  # AVX-512 hosts: oneDNN's packed GEMM from this many rows (crossover: 8-16)
 
 
 def packed_weight(weight: torch.Tensor, settings: KernelSettings) -> torch.Tensor | None:

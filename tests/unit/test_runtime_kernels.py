@@ -15,7 +15,7 @@ from backends.runtime.runner import ModelRunner
 from backends.runtime.sampler import SamplingParams
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 33, SMALL_ROWS, SMALL_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8, 33, SMALL_ROWS, SMALL_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_linear_matches_f_linear(rows, bias, dtype):

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <type_traits>
 
 #include "vec.h"
 
@@ -72,6 +73,35 @@ PD_INLINE v8 load8(const c10::Half* p) {
   return r;
 }
 
+// 16 floats (one AVX-512 register): the float32 kernel's vector on hosts with AVX-512, where
+// it halves the FMA count of a tile (see run()).
+typedef float v16 __attribute__((vector_size(64)));
+
+PD_INLINE v16 load16(const float* p) {
+  v16 r;
+  __builtin_memcpy(&r, p, sizeof r);
+  return r;
+}
+
+template <typename V, typename W>
+PD_INLINE V loadv(const W* p) {
+  if constexpr (sizeof(V) == sizeof(v16)) {
+    return load16(p);
+  } else {
+    return load8(p);
+  }
+}
+
+template <typename V>
+PD_INLINE float sumv(V x) {
+  if constexpr (sizeof(V) == sizeof(v16)) {
+    return sum8(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+  } else {
+    return sum8(x);
+  }
+}
+
 template <typename W>
 struct Problem {
   const float* x;  // [M, K], row stride ldx
@@ -84,28 +114,29 @@ struct Problem {
 // y[m0 : m0 + MR, n0 : n0 + NR]: every w row of the tile is read once per call. PF (the first
 // tile of a strip): also prefetch the rows kAhead strips on, so memory streams while this
 // strip computes.
-template <int NR, int MR, bool PF, typename W>
+template <int NR, int MR, bool PF, typename V, typename W>
 PD_INLINE void tile(const Problem<W>& p, int64_t n0, int64_t m0) {
-  v8 acc[NR][MR] = {};
+  constexpr int VW = sizeof(V) / sizeof(float);
+  V acc[NR][MR] = {};
   const W* w = p.w + n0 * p.K;
   const float* x = p.x + m0 * p.ldx;
   int64_t k = 0;
-  for (; k + 8 <= p.K; k += 8) {
+  for (; k + VW <= p.K; k += VW) {
     if constexpr (PF) {
       if (k % (64 / sizeof(W)) == 0) {  // once per 64-byte line
         for (int r = 0; r < NR; ++r) __builtin_prefetch(w + (kAhead * NR + r) * p.K + k);
       }
     }
-    v8 wv[NR];
-    for (int r = 0; r < NR; ++r) wv[r] = load8(w + r * p.K + k);
+    V wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = loadv<V>(w + r * p.K + k);
     for (int m = 0; m < MR; ++m) {
-      const v8 xv = load8(x + m * p.ldx + k);
+      const V xv = loadv<V>(x + m * p.ldx + k);
       for (int r = 0; r < NR; ++r) acc[r][m] += wv[r] * xv;
     }
   }
   for (int r = 0; r < NR; ++r) {
     for (int m = 0; m < MR; ++m) {
-      float s = sum8(acc[r][m]);
+      float s = sumv(acc[r][m]);
       for (int64_t j = k; j < p.K; ++j) s += static_cast<float>(w[r * p.K + j]) * x[m * p.ldx + j];
       if (p.bias != nullptr) s += p.bias[n0 + r];
       p.y[(m0 + m) * p.N + n0 + r] = s;
@@ -113,40 +144,44 @@ PD_INLINE void tile(const Problem<W>& p, int64_t n0, int64_t m0) {
   }
 }
 
-template <int NR, int MR, typename W>
+template <int NR, int MR, typename V, typename W>
 PD_INLINE void tile_maybe_prefetch(const Problem<W>& p, int64_t n0, int64_t m0) {
   if (m0 == 0) {
-    tile<NR, MR, true>(p, n0, m0);
+    tile<NR, MR, true, V>(p, n0, m0);
   } else {
-    tile<NR, MR, false>(p, n0, m0);
+    tile<NR, MR, false, V>(p, n0, m0);
   }
 }
 
-// All M rows of x against w rows [n0, n0 + NR): full MR tiles, then the remaining rows.
-template <int NR, int MR, typename W>
+// All M rows of x against w rows [n0, n0 + NR): full MR tiles, then the remaining rows (one
+// tile of each smaller size that the remainder holds: 8 > 4 > 2 > 1, or 4 > 3 > 2 > 1).
+template <int NR, int MR, typename V, typename W>
 PD_INLINE void strip(const Problem<W>& p, int64_t n0) {
   int64_t m = 0;
-  for (; m + MR <= p.M; m += MR) tile_maybe_prefetch<NR, MR>(p, n0, m);
-  const int64_t rest = p.M - m;
+  for (; m + MR <= p.M; m += MR) tile_maybe_prefetch<NR, MR, V>(p, n0, m);
+  int64_t rest = p.M - m;
+  if constexpr (MR > 4) {
+    if (rest >= 4) tile_maybe_prefetch<NR, 4, V>(p, n0, m), m += 4, rest -= 4;
+  }
   if constexpr (MR > 3) {
-    if (rest == 3) tile_maybe_prefetch<NR, 3>(p, n0, m);
+    if (rest == 3) tile_maybe_prefetch<NR, 3, V>(p, n0, m), m += 3, rest -= 3;
   }
   if constexpr (MR > 2) {
-    if (rest == 2) tile_maybe_prefetch<NR, 2>(p, n0, m);
+    if (rest >= 2) tile_maybe_prefetch<NR, 2, V>(p, n0, m), m += 2, rest -= 2;
   }
   if constexpr (MR > 1) {
-    if (rest == 1) tile_maybe_prefetch<NR, 1>(p, n0, m);
+    if (rest == 1) tile_maybe_prefetch<NR, 1, V>(p, n0, m);
   }
 }
 
 // w rows [n_begin, n_end) against all of x. Tile shapes keep NR * MR accumulators plus NR
 // weight vectors and one x vector within the 16 vector registers: 8 x 1 for one row (eight
 // independent sums), 4 x 2 for two, 3 x 4 from three rows up.
-template <int NR, int MR, typename W>
+template <int NR, int MR, typename V = v8, typename W>
 PD_INLINE void rows_range(const Problem<W>& p, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
-  for (; n + NR <= n_end; n += NR) strip<NR, MR>(p, n);
-  for (; n < n_end; ++n) strip<1, MR>(p, n);
+  for (; n + NR <= n_end; n += NR) strip<NR, MR, V>(p, n);
+  for (; n < n_end; ++n) strip<1, MR, V>(p, n);
 }
 
 template <typename W>
@@ -160,13 +195,39 @@ PD_MULTIVERSION void linear_rows(const Problem<W>& p, int64_t n_begin, int64_t n
   }
 }
 
+// float32 weights from three rows on, on a CPU with AVX-512: 16-float vectors and the 32
+// registers (3 x 8 tiles: 24 accumulators, 3 weight vectors, one x vector), so each weight
+// vector loaded feeds 8 FMAs of 16 lanes.
+#if defined(__x86_64__) && defined(__GNUC__)
+constexpr bool kWide = true;
+__attribute__((target("arch=x86-64-v4"))) void linear_rows_wide(const Problem<float>& p,
+                                                                int64_t n_begin, int64_t n_end) {
+  rows_range<3, 8, v16>(p, n_begin, n_end);
+}
+bool wide_cpu() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return ok;
+}
+#else
+constexpr bool kWide = false;
+void linear_rows_wide(const Problem<float>&, int64_t, int64_t) {}
+bool wide_cpu() { return false; }
+#endif
+
 constexpr int64_t kRowsPerTask = 48;  // w rows per parallel task (a multiple of 8, 4 and 3)
 
 template <typename W>
 void run(const Problem<W>& p) {
   const int64_t tasks = (p.N + kRowsPerTask - 1) / kRowsPerTask;
+  bool wide = false;
+  if constexpr (std::is_same_v<W, float>) wide = kWide && p.M >= 3 && wide_cpu();
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    linear_rows(p, begin * kRowsPerTask, std::min(p.N, end * kRowsPerTask));
+    const int64_t n0 = begin * kRowsPerTask, n1 = std::min(p.N, end * kRowsPerTask);
+    if constexpr (std::is_same_v<W, float>) {
+      if (wide) return linear_rows_wide(p, n0, n1);
+    }
+    linear_rows(p, n0, n1);
   });
 }
 
