@@ -73,32 +73,16 @@ PD_INLINE v8 load8(const c10::Half* p) {
   return r;
 }
 
-// 16 floats (one AVX-512 register): the float32 kernel's vector on hosts with AVX-512, where
-// it halves the FMA count of a tile (see run()).
-typedef float v16 __attribute__((vector_size(64)));
+using pd::sumv;
+using pd::v16;
 
-PD_INLINE v16 load16(const float* p) {
-  v16 r;
-  __builtin_memcpy(&r, p, sizeof r);
-  return r;
-}
-
+// A weight vector: 16 float32 weights (the AVX-512 variant), or 8 of any weight dtype.
 template <typename V, typename W>
-PD_INLINE V loadv(const W* p) {
+PD_INLINE V wload(const W* p) {
   if constexpr (sizeof(V) == sizeof(v16)) {
-    return load16(p);
+    return pd::loadv<v16>(p);
   } else {
     return load8(p);
-  }
-}
-
-template <typename V>
-PD_INLINE float sumv(V x) {
-  if constexpr (sizeof(V) == sizeof(v16)) {
-    return sum8(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
-  } else {
-    return sum8(x);
   }
 }
 
@@ -128,9 +112,9 @@ PD_INLINE void tile(const Problem<W>& p, int64_t n0, int64_t m0) {
       }
     }
     V wv[NR];
-    for (int r = 0; r < NR; ++r) wv[r] = loadv<V>(w + r * p.K + k);
+    for (int r = 0; r < NR; ++r) wv[r] = wload<V>(w + r * p.K + k);
     for (int m = 0; m < MR; ++m) {
-      const V xv = loadv<V>(x + m * p.ldx + k);
+      const V xv = wload<V>(x + m * p.ldx + k);
       for (int r = 0; r < NR; ++r) acc[r][m] += wv[r] * xv;
     }
   }
@@ -198,22 +182,9 @@ PD_MULTIVERSION void linear_rows(const Problem<W>& p, int64_t n_begin, int64_t n
 // float32 weights from three rows on, on a CPU with AVX-512: 16-float vectors and the 32
 // registers (3 x 8 tiles: 24 accumulators, 3 weight vectors, one x vector), so each weight
 // vector loaded feeds 8 FMAs of 16 lanes.
-#if defined(__x86_64__) && defined(__GNUC__)
-constexpr bool kWide = true;
-__attribute__((target("arch=x86-64-v4"))) void linear_rows_wide(const Problem<float>& p,
-                                                                int64_t n_begin, int64_t n_end) {
+PD_WIDE void linear_rows_wide(const Problem<float>& p, int64_t n_begin, int64_t n_end) {
   rows_range<3, 8, v16>(p, n_begin, n_end);
 }
-bool wide_cpu() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  return ok;
-}
-#else
-constexpr bool kWide = false;
-void linear_rows_wide(const Problem<float>&, int64_t, int64_t) {}
-bool wide_cpu() { return false; }
-#endif
 
 constexpr int64_t kRowsPerTask = 48;  // w rows per parallel task (a multiple of 8, 4 and 3)
 
@@ -221,7 +192,7 @@ template <typename W>
 void run(const Problem<W>& p) {
   const int64_t tasks = (p.N + kRowsPerTask - 1) / kRowsPerTask;
   bool wide = false;
-  if constexpr (std::is_same_v<W, float>) wide = kWide && p.M >= 3 && wide_cpu();
+  if constexpr (std::is_same_v<W, float>) wide = p.M >= 3 && pd::wide_cpu();
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     const int64_t n0 = begin * kRowsPerTask, n1 = std::min(p.N, end * kRowsPerTask);
     if constexpr (std::is_same_v<W, float>) {

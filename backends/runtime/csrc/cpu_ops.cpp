@@ -74,43 +74,46 @@ PD_INLINE void prefetch(const T* p, int64_t n) {
 }
 
 // Scores of GT query heads against rows row[0:n] of one KV head: score[g * n + l] =
-// q_g . k_row(l). Each key row is loaded once, chunk by chunk, for the GT heads.
-template <int GT, typename T>
+// q_g . k_row(l). Each key row is loaded once, chunk by chunk (V: 8 or 16 floats), for the GT
+// heads.
+template <int GT, typename V, typename T>
 PD_INLINE void score_rows(const float* qf, int64_t Dk, const T* kp, int64_t ks0,
                           const int64_t* row, int64_t n, float* score, float* buf) {
+  constexpr int VW = sizeof(V) / sizeof(float);
   for (int64_t l = 0; l < n; ++l) {
     if (l + kKeyAhead < n) prefetch(kp + row[l + kKeyAhead] * ks0, Dk);
     const float* kr = as_float(kp + row[l] * ks0, Dk, buf);
-    v8 acc[GT] = {};
+    V acc[GT] = {};
     int64_t d = 0;
-    for (; d + 8 <= Dk; d += 8) {
-      const v8 kc = load8(kr + d);
-      for (int g = 0; g < GT; ++g) acc[g] += load8(qf + g * Dk + d) * kc;
+    for (; d + VW <= Dk; d += VW) {
+      const V kc = loadv<V>(kr + d);
+      for (int g = 0; g < GT; ++g) acc[g] += loadv<V>(qf + g * Dk + d) * kc;
     }
     for (int g = 0; g < GT; ++g) {
-      float s = sum8(acc[g]);
+      float s = sumv(acc[g]);
       for (int64_t t = d; t < Dk; ++t) s += qf[g * Dk + t] * kr[t];
       score[g * n + l] = s;
     }
   }
 }
 
-// out[g, c0 : c0 + 8 * CW] = sum_l p[g * n + l] * v_row(l)[c0 : ...] for GT heads: the
-// accumulators stay in registers for the whole context; each pass reads one cache line of
-// every value row (CW = 2: 16 floats).
-template <int GT, int CW, typename T>
+// out[g, c0 : c0 + VW * CW] = sum_l p[g * n + l] * v_row(l)[c0 : ...] for GT heads: the
+// accumulators stay in registers for the whole context; each pass reads CW vectors of every
+// value row (16 floats with 8-float vectors, 64 with 16-float ones: a row of 64 in one pass).
+template <int GT, int CW, typename V, typename T>
 PD_INLINE void value_chunk(const float* p, const T* vp, int64_t vs0, const int64_t* row,
                            int64_t n, int64_t c0, float* out, int64_t Dv) {
-  v8 acc[GT][CW] = {};
+  constexpr int VW = sizeof(V) / sizeof(float);
+  V acc[GT][CW] = {};
   for (int64_t l = 0; l < n; ++l) {
-    if (l + kValueAhead < n) prefetch(vp + row[l + kValueAhead] * vs0 + c0, 8 * CW);
+    if (l + kValueAhead < n) prefetch(vp + row[l + kValueAhead] * vs0 + c0, VW * CW);
     const T* vr = vp + row[l] * vs0 + c0;
-    v8 vc[CW];
+    V vc[CW];
     for (int c = 0; c < CW; ++c) {
       if constexpr (std::is_same_v<T, float>) {
-        vc[c] = load8(vr + 8 * c);
+        vc[c] = loadv<V>(vr + VW * c);
       } else {
-        for (int j = 0; j < 8; ++j) vc[c][j] = to_f(vr[8 * c + j]);
+        for (int j = 0; j < VW; ++j) vc[c][j] = to_f(vr[VW * c + j]);
       }
     }
     for (int g = 0; g < GT; ++g) {
@@ -119,18 +122,24 @@ PD_INLINE void value_chunk(const float* p, const T* vp, int64_t vs0, const int64
     }
   }
   for (int g = 0; g < GT; ++g)
-    for (int c = 0; c < CW; ++c) store8(out + g * Dv + c0 + 8 * c, acc[g][c]);
+    for (int c = 0; c < CW; ++c) storev(out + g * Dv + c0 + VW * c, acc[g][c]);
 }
 
-// All Dv channels of GT heads: 16 at a time, then 8, then one by one.
-template <int GT, typename T>
+// All Dv channels of GT heads: wide chunks, then one vector, then (16-float vectors) 8 floats,
+// then one by one.
+template <int GT, typename V, typename T>
 PD_INLINE void value_rows(const float* p, const T* vp, int64_t vs0, const int64_t* row,
                           int64_t n, float* out, int64_t Dv) {
+  constexpr int VW = sizeof(V) / sizeof(float), CW = VW == 8 ? 2 : 4;
   int64_t c0 = 0;
   if constexpr (GT <= 4) {
-    for (; c0 + 16 <= Dv; c0 += 16) value_chunk<GT, 2>(p, vp, vs0, row, n, c0, out, Dv);
+    for (; c0 + VW * CW <= Dv; c0 += VW * CW)
+      value_chunk<GT, CW, V>(p, vp, vs0, row, n, c0, out, Dv);
   }
-  for (; c0 + 8 <= Dv; c0 += 8) value_chunk<GT, 1>(p, vp, vs0, row, n, c0, out, Dv);
+  for (; c0 + VW <= Dv; c0 += VW) value_chunk<GT, 1, V>(p, vp, vs0, row, n, c0, out, Dv);
+  if constexpr (VW > 8) {
+    for (; c0 + 8 <= Dv; c0 += 8) value_chunk<GT, 1, v8>(p, vp, vs0, row, n, c0, out, Dv);
+  }
   for (; c0 < Dv; ++c0)
     for (int g = 0; g < GT; ++g) {
       float s = 0.f;
@@ -159,14 +168,14 @@ PD_INLINE float softmax_numerators(float* score, int64_t n) {
   return total;
 }
 
-template <int GT, typename T, typename C>
+template <int GT, typename V, typename T, typename C>
 PD_INLINE void attend_tile(const float* qf, int64_t Dk, int64_t Dv, const C* kp, int64_t ks0,
                            const C* vp, int64_t vs0, const int64_t* row, int64_t n,
                            float* score, float* buf, float* acc, T* out) {
-  score_rows<GT>(qf, Dk, kp, ks0, row, n, score, buf);
+  score_rows<GT, V>(qf, Dk, kp, ks0, row, n, score, buf);
   float total[GT];
   for (int g = 0; g < GT; ++g) total[g] = softmax_numerators(score + g * n, n);
-  value_rows<GT>(score, vp, vs0, row, n, acc, Dv);
+  value_rows<GT, V>(score, vp, vs0, row, n, acc, Dv);
   for (int g = 0; g < GT; ++g)
     for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] = static_cast<T>(acc[g * Dv + d] / total[g]);
 }
@@ -178,21 +187,36 @@ struct Shapes {
 // One (sequence, KV head): G queries over keys row[0:n], in tiles of up to 4 query heads.
 // qf: the G scaled queries [G, Dk]; score: room for [4, n]; acc: [4, Dv]; buf: [max(Dk, Dv)]
 // -> out [G, Dv].
-template <typename T, typename C>
-PD_MULTIVERSION void attend_one(const Shapes& z, const float* qf, const C* kp, const C* vp,
-                                const int64_t* row, int64_t n, float* score, float* acc,
-                                float* buf, T* out) {
+template <typename V, typename T, typename C>
+PD_INLINE void attend_heads(const Shapes& z, const float* qf, const C* kp, const C* vp,
+                            const int64_t* row, int64_t n, float* score, float* acc,
+                            float* buf, T* out) {
   const int64_t Dk = z.Dk, Dv = z.Dv;
   for (int64_t g = 0; g < z.G; g += 4) {
     const float* q = qf + g * Dk;
     T* o = out + g * Dv;
     switch (std::min<int64_t>(z.G - g, 4)) {
-      case 4: attend_tile<4>(q, Dk, Dv, kp, z.ks0, vp, z.vs0, row, n, score, buf, acc, o); break;
-      case 3: attend_tile<3>(q, Dk, Dv, kp, z.ks0, vp, z.vs0, row, n, score, buf, acc, o); break;
-      case 2: attend_tile<2>(q, Dk, Dv, kp, z.ks0, vp, z.vs0, row, n, score, buf, acc, o); break;
-      default: attend_tile<1>(q, Dk, Dv, kp, z.ks0, vp, z.vs0, row, n, score, buf, acc, o);
+      case 4: attend_tile<4, V>(q, Dk, Dv, kp, z.ks0, vp, z.vs0, row, n, score, buf, acc, o); break;
+      case 3: attend_tile<3, V>(q, Dk, Dv, kp, z.ks0, vp, z.vs0, row, n, score, buf, acc, o); break;
+      case 2: attend_tile<2, V>(q, Dk, Dv, kp, z.ks0, vp, z.vs0, row, n, score, buf, acc, o); break;
+      default: attend_tile<1, V>(q, Dk, Dv, kp, z.ks0, vp, z.vs0, row, n, score, buf, acc, o);
     }
   }
+}
+
+template <typename T, typename C>
+PD_MULTIVERSION void attend_one(const Shapes& z, const float* qf, const C* kp, const C* vp,
+                                const int64_t* row, int64_t n, float* score, float* acc,
+                                float* buf, T* out) {
+  attend_heads<v8>(z, qf, kp, vp, row, n, score, acc, buf, out);
+}
+
+// The same on 16-float vectors, for CPUs with AVX-512 (wide_cpu()).
+template <typename T, typename C>
+PD_WIDE void attend_one_wide(const Shapes& z, const float* qf, const C* kp, const C* vp,
+                             const int64_t* row, int64_t n, float* score, float* acc,
+                             float* buf, T* out) {
+  attend_heads<v16>(z, qf, kp, vp, row, n, score, acc, buf, out);
 }
 
 template <typename T, typename C>
@@ -209,6 +233,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lop = lo.data_ptr<int64_t>();
   const int64_t* hip = hi.data_ptr<int64_t>();
+  const bool wide = wide_cpu();
   at::parallel_for(0, B * z.Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * Dk), acc(4 * Dv), buf(std::max(Dk, Dv)), score;
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -216,8 +241,9 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       for (int64_t i = 0; i < G * Dk; ++i)
         qf[i] = static_cast<float>(qp[bh * G * Dk + i]) * static_cast<float>(scale);
       score.resize(4 * (hip[b] - lop[b]));
-      attend_one<T, C>(z, qf.data(), kp + h * z.ks1, vp + h * z.vs1, sp + b * z.L + lop[b],
-                    hip[b] - lop[b], score.data(), acc.data(), buf.data(), op + bh * G * Dv);
+      auto one = wide ? attend_one_wide<T, C> : attend_one<T, C>;
+      one(z, qf.data(), kp + h * z.ks1, vp + h * z.vs1, sp + b * z.L + lop[b], hip[b] - lop[b],
+          score.data(), acc.data(), buf.data(), op + bh * G * Dv);
     }
   });
 }

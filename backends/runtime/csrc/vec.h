@@ -1,5 +1,5 @@
 // Helpers shared by the runtime's CPU kernels (cpu_ops.cpp, cpu_fused.cpp, cpu_prefill.cpp):
-// the float dtype dispatch and 8-float vectors.
+// the float dtype dispatch, 8-float vectors and 16-float ones for AVX-512 CPUs.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -38,6 +38,45 @@ PD_INLINE float sum8(v8 x) {  // pairwise: three dependent adds, not seven
   const float b0 = a[0] + a[2], b1 = a[1] + a[3];
   return b0 + b1;
 }
+
+// 16 floats: one AVX-512 register. Kernels with a `PD_WIDE` variant run it on such CPUs
+// (wide_cpu()): it halves their FMA count and has 32 registers for accumulators.
+typedef float v16 __attribute__((vector_size(64)));
+
+// V (v8 or v16) loads, stores and sums over float32 memory.
+template <typename V>
+PD_INLINE V loadv(const float* p) {
+  V r;
+  __builtin_memcpy(&r, p, sizeof r);
+  return r;
+}
+
+template <typename V>
+PD_INLINE void storev(float* p, V x) {
+  __builtin_memcpy(p, &x, sizeof x);
+}
+
+template <typename V>
+PD_INLINE float sumv(V x) {
+  if constexpr (sizeof(V) == sizeof(v16)) {
+    return sum8(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+  } else {
+    return sum8(x);
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define PD_WIDE __attribute__((target("arch=x86-64-v4")))
+inline bool wide_cpu() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return ok;
+}
+#else
+#define PD_WIDE
+inline bool wide_cpu() { return false; }
+#endif
 
 // exp(x) for x <= 0 (scores minus their maximum): 2^k * e^r with |r| <= ln2 / 2, e^r by a
 // degree-6 polynomial (relative error ~2e-7, like ATen's vectorized exp); -inf and below
