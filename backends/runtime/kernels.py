@@ -35,7 +35,9 @@ Three settings, read from the environment when a model loads (``KernelSettings.f
 * ``PD_RUNTIME_ATTENTION`` = ``auto`` (default) | ``sdpa`` | ``compiled`` | ``triton``: attention.
   ``auto``: on CPU the runtime's C++ kernels (:mod:`backends.runtime.cpu_kernels`): decode
   reads K and V rows in place from the pool (measured at 8 x 512 / 32 x 256 / 1 x 512 on SmolLM2
-  shapes: 0.52 / 1.23 / 0.06 ms a layer against 1.08 / 2.78 / 0.17 for gather + SDPA), float32
+  shapes: 0.52 / 1.23 / 0.06 ms a layer against 1.08 / 2.78 / 0.17 for gather + SDPA; its
+  AVX-512 variant 0.41 / 0.82 at 8 x 512 / 32 x 256 against 0.53 / 1.11 for the AVX2 one,
+  fragmented pages, medians of 3 interleaved runs), float32
   prefill runs causal blocks on sgemm (:mod:`backends.runtime.prefill_attn`; 3.3-3.7 ms a layer
   at 1 x 512 against 5.3-6.6 for SDPA); SDPA elsewhere or where the kernels cannot be built;
   On CUDA, ``auto`` runs the Triton paged-attention kernel for every kind of forward
