@@ -1,17 +1,30 @@
-"""Small pieces every benchmark script shares: progress logging, the run's metadata, and the
-result printed as JSON or as a table."""
+"""Small pieces every benchmark script shares: progress logging, a median timing, the run's
+metadata, and the result printed as JSON or as a table."""
 
 from __future__ import annotations
 
 import json
 import platform
+import statistics
 import sys
+import time
 
 import torch
 
 
 def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def median_ms(fn, reps: int) -> float:
+    """``fn()`` once to warm up, then the median of ``reps`` timed calls, in ms."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
 
 
 def run_meta(args, **extra) -> dict:

@@ -18,9 +18,12 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from bench_common import emit, median_ms  # noqa: E402
+
 HKV, GROUP, DIM, PAGE = 3, 3, 64, 16
 
 
@@ -46,13 +49,7 @@ def measure(root: str, batch: int, ctx: int, layers: int, reps: int) -> float:
         for k, v in zip(ks, vs, strict=True):
             op(q, k, v, slots, lo, hi, 0.125)
 
-    step()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times) / layers
+    return median_ms(step, reps) / layers
 
 
 def run_in(root: str, args, batch: int, ctx: int) -> float:
@@ -92,9 +89,6 @@ def main(argv=None) -> int:
             row["gb_s"][name] = round(gb / statistics.median(ts) * 1e3, 1)
         results.append(row)
         print(f"[bench] {json.dumps(row)}", file=sys.stderr, flush=True)
-    sys.path.insert(0, HERE)
-    from bench_common import emit
-
     header = ["config", *(f"{n} ms/layer (GB/s)" for n in roots)]
     rows = [
         [r["config"], *(f"{r['ms_per_layer'][n]:.3f} ({r['gb_s'][n]})" for n in roots)]

@@ -16,14 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from bench_common import median_ms  # noqa: E402
 
 from backends.runtime.cpu_kernels import cpu_ops  # noqa: E402
 from backends.runtime.kernels import SMALL_ROWS  # noqa: E402
@@ -31,16 +31,6 @@ from backends.runtime.kernels import SMALL_ROWS  # noqa: E402
 # SmolLM2-135M: hidden 576, 9 query and 3 KV heads of 64, MLP 1536, vocabulary 49152
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 HEAD = (49152, 576)
-
-
-def median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 def paths(dtype: torch.dtype, rows: int) -> dict:

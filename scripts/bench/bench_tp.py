@@ -13,23 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
+from bench_common import median_ms  # noqa: E402
+
 from backends.runtime.runner import ModelRunner, SeqInput  # noqa: E402
-
-
-def median_ms(fn, reps: int) -> float:
-    fn()  # warm up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def bench(args, size: int) -> dict:
