@@ -145,6 +145,11 @@ def slow_bf16_gemm() -> bool:
 
 
 PACKED_FROM_ROWS = 9  # AVX-512 hosts: oneDNN's packed GEMM from this many rows (crossover: 8-16)
+# bfloat16 weights on a CPU with bf16 GEMM instructions (AVX512-BF16 / AMX): torch's F.linear
+# from this many rows (bench_linear.py --dtype bfloat16 on the AMX host, ms, small-row kernel /
+# F.linear: 2 rows 13.5 / 16.9; 4 rows 13.8 / 15.6; 5 rows 19.7 / 16.5; 8 rows 17.8 / 15.6;
+# 32 rows 81.6 / 26.7; 64 rows 130.6 / 33.8)
+BF16_GEMM_FROM_ROWS = 5
 
 
 def packed_weight(weight: torch.Tensor, settings: KernelSettings) -> torch.Tensor | None:
@@ -179,6 +184,8 @@ class Linear:
         )
         self.packed = packed_weight(weight, settings)
         self.small_rows = SMALL_ROWS if self.packed is None else PACKED_FROM_ROWS - 1
+        if weight.dtype == torch.bfloat16 and not settings.half_weights and not self.widen:
+            self.small_rows = BF16_GEMM_FROM_ROWS - 1  # this CPU has bf16 GEMM instructions
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.small is not None and x.dim() == 2 and x.shape[0] <= self.small_rows:

@@ -76,10 +76,19 @@ PD_INLINE v8 load8(const c10::Half* p) {
 using pd::sumv;
 using pd::v16;
 
-// A weight vector: 16 float32 weights (the AVX-512 variant), or 8 of any weight dtype.
+// A weight vector: 16 float32 or bfloat16 weights (the AVX-512 variant), or 8 of any dtype.
 template <typename V, typename W>
 PD_INLINE V wload(const W* p) {
-  if constexpr (sizeof(V) == sizeof(v16)) {
+  if constexpr (sizeof(V) == sizeof(v16) && std::is_same_v<W, c10::BFloat16>) {
+    typedef uint16_t u16x16 __attribute__((vector_size(32)));
+    typedef int32_t i16 __attribute__((vector_size(64)));
+    u16x16 h;
+    __builtin_memcpy(&h, p, sizeof h);
+    const i16 bits = __builtin_convertvector(h, i16) << 16;
+    v16 r;
+    __builtin_memcpy(&r, &bits, sizeof r);
+    return r;
+  } else if constexpr (sizeof(V) == sizeof(v16)) {
     return pd::loadv<v16>(p);
   } else {
     return load8(p);
@@ -179,10 +188,11 @@ PD_MULTIVERSION void linear_rows(const Problem<W>& p, int64_t n_begin, int64_t n
   }
 }
 
-// float32 weights from three rows on, on a CPU with AVX-512: 16-float vectors and the 32
-// registers (3 x 8 tiles: 24 accumulators, 3 weight vectors, one x vector), so each weight
-// vector loaded feeds 8 FMAs of 16 lanes.
-PD_WIDE void linear_rows_wide(const Problem<float>& p, int64_t n_begin, int64_t n_end) {
+// float32 or bfloat16 weights from three rows on, on a CPU with AVX-512: 16-float vectors and
+// the 32 registers (3 x 8 tiles: 24 accumulators, 3 weight vectors, one x vector), so each
+// weight vector loaded feeds 8 FMAs of 16 lanes.
+template <typename W>
+PD_WIDE void linear_rows_wide(const Problem<W>& p, int64_t n_begin, int64_t n_end) {
   rows_range<3, 8, v16>(p, n_begin, n_end);
 }
 
@@ -191,11 +201,11 @@ constexpr int64_t kRowsPerTask = 48;  // w rows per parallel task (a multiple of
 template <typename W>
 void run(const Problem<W>& p) {
   const int64_t tasks = (p.N + kRowsPerTask - 1) / kRowsPerTask;
-  bool wide = false;
-  if constexpr (std::is_same_v<W, float>) wide = p.M >= 3 && pd::wide_cpu();
+  constexpr bool has_wide = std::is_same_v<W, float> || std::is_same_v<W, c10::BFloat16>;
+  const bool wide = has_wide && p.M >= 3 && pd::wide_cpu();
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     const int64_t n0 = begin * kRowsPerTask, n1 = std::min(p.N, end * kRowsPerTask);
-    if constexpr (std::is_same_v<W, float>) {
+    if constexpr (has_wide) {
       if (wide) return linear_rows_wide(p, n0, n1);
     }
     linear_rows(p, n0, n1);
