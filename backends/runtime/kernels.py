@@ -27,6 +27,9 @@ Three settings, read from the environment when a model loads (``KernelSettings.f
   (medians of 3 interleaved runs, same host class: 4 rows 26.5 / 32.2 / 43.1; 8 rows 33.9 /
   42.6 / 55.9; 16 rows 61.9 / 55.7 / 75.6; 32 rows 108.4 / 77.0 / 91.5), so it runs up to 8
   rows and the packed copy from 9.
+  bfloat16 weights on a CPU with bf16 GEMM instructions (``not slow_bf16_gemm()``) run the
+  small-row kernel up to ``BF16_GEMM_FROM_ROWS - 1`` rows only: torch's oneDNN GEMM is faster
+  from there.
   A model built with ``KernelSettings(half_weights=True)`` (an EAGLE head; not an environment
   setting) keeps float32 linear weights in bfloat16 where the small-row kernel runs, with
   float32 activations: a head call streams half the bytes (2.3 -> 1.6 ms on SmolLM2's head).

@@ -65,12 +65,7 @@ PD_INLINE v8 load8_as_float(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return load8(p);
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    u16x8 h;
-    __builtin_memcpy(&h, p, sizeof h);
-    const u32x8 bits = __builtin_convertvector(h, u32x8) << 16;
-    v8 r;
-    __builtin_memcpy(&r, &bits, sizeof r);
-    return r;
+    return load8(p);
   } else {
     v8 r;
     for (int j = 0; j < 8; ++j) r[j] = static_cast<float>(p[j]);

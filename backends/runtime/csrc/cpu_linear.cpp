@@ -36,15 +36,6 @@ using pd::load8;
 using pd::sum8;
 using pd::v8;
 
-PD_INLINE v8 load8(const c10::BFloat16* p) {  // bfloat16 is float32's upper half
-  typedef uint16_t u16x8 __attribute__((vector_size(16)));
-  u16x8 h;
-  __builtin_memcpy(&h, p, sizeof h);
-  const i8 bits = __builtin_convertvector(h, i8) << 16;
-  v8 r;
-  __builtin_memcpy(&r, &bits, sizeof r);
-  return r;
-}
 
 // IEEE half -> float with integer vector ops (no F16C needed, so both clones build): normal
 // numbers re-bias the exponent, inf/NaN keep an all-ones exponent, subnormals are formed as
@@ -80,14 +71,8 @@ using pd::v16;
 template <typename V, typename W>
 PD_INLINE V wload(const W* p) {
   if constexpr (sizeof(V) == sizeof(v16) && std::is_same_v<W, c10::BFloat16>) {
-    typedef uint16_t u16x16 __attribute__((vector_size(32)));
-    typedef int32_t i16 __attribute__((vector_size(64)));
-    u16x16 h;
-    __builtin_memcpy(&h, p, sizeof h);
-    const i16 bits = __builtin_convertvector(h, i16) << 16;
-    v16 r;
-    __builtin_memcpy(&r, &bits, sizeof r);
-    return r;
+    const v8 lo = load8(p), hi = load8(p + 8);
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   } else if constexpr (sizeof(V) == sizeof(v16)) {
     return pd::loadv<v16>(p);
   } else {

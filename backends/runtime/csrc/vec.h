@@ -32,6 +32,16 @@ PD_INLINE v8 load8(const float* p) {
 
 PD_INLINE void store8(float* p, v8 x) { __builtin_memcpy(p, &x, sizeof x); }
 
+PD_INLINE v8 load8(const c10::BFloat16* p) {  // bfloat16 is float32's upper half
+  typedef uint16_t u16x8 __attribute__((vector_size(16)));
+  u16x8 h;
+  __builtin_memcpy(&h, p, sizeof h);
+  const i8 bits = __builtin_convertvector(h, i8) << 16;
+  v8 r;
+  __builtin_memcpy(&r, &bits, sizeof r);
+  return r;
+}
+
 PD_INLINE float sum8(v8 x) {  // pairwise: three dependent adds, not seven
   typedef float v4 __attribute__((vector_size(16)));
   const v4 a = __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
