@@ -26,7 +26,10 @@ Three settings, read from the environment when a model loads (``KernelSettings.f
   small-row kernel runs float32 from 3 rows on 16-float AVX-512 vectors in 3 x 8 tiles there
   (medians of 3 interleaved runs, same host class: 4 rows 26.5 / 32.2 / 43.1; 8 rows 33.9 /
   42.6 / 55.9; 16 rows 61.9 / 55.7 / 75.6; 32 rows 108.4 / 77.0 / 91.5), so it runs up to 8
-  rows and the packed copy from 9.
+  rows and the packed copy from 9. Since its x vectors are loaded once a k-step and its sums
+  reduced eight at a time (csrc/cpu_linear.cpp), small-row / packed in the same run, three
+  runs each, this commit (before): 8 rows 0.74-0.75 (0.79-0.97); 12 rows 0.92-1.04
+  (0.93-1.07): the crossover stayed.
   bfloat16 weights on a CPU with bf16 GEMM instructions (``not slow_bf16_gemm()``) run the
   small-row kernel up to ``BF16_GEMM_FROM_ROWS - 1`` rows only: torch's oneDNN GEMM is faster
   from there.

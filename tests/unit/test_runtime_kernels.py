@@ -75,6 +75,23 @@ def test_linear_setting_and_fallbacks():
         KernelSettings(linear="fast")
 
 
+@pytest.mark.parametrize("rows", [8, 11, 12, 19, 33])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_linear_small_every_row_tile(rows, wdtype):
+    """The op itself (whichever rows the runtime gives it): full 8-row tiles, whose sums are
+    reduced eight at a time on AVX-512, then each remainder tile; 50 outputs (3-row strips plus
+    a tail) and 300 inputs (a 16-float tail of 12)."""
+    op = cpu_ops().linear_small
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(50, 300, generator=g).to(wdtype)
+    x, b = torch.randn(rows, 300, generator=g), torch.randn(50, generator=g)
+    exact = F.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(op(x, w, b).double(), exact, atol=1e-4, rtol=1e-5)
+    y = op(x, w, b)
+    for r in range(0, rows, 3):  # 3-row calls (one tile, each sum reduced alone): bit for bit
+        assert torch.equal(op(x[r : r + 3], w, b), y[r : r + 3]) or rows - r < 3
+
+
 def test_linear_small_rejects_what_it_cannot_compute():
     op = cpu_ops().linear_small
     w = torch.randn(16, 8)

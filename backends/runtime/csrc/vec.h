@@ -76,6 +76,30 @@ PD_INLINE float sumv(V x) {
   }
 }
 
+// The sums of eight 16-float vectors, {sumv(a[0]), ..., sumv(a[7])}, bit for bit (the same
+// pairs added in the same order), with 2-vector shuffles that serve all eight at once: about 3
+// instructions a sum against 7 for sumv's.
+PD_INLINE v8 sums8(const v16 (&a)[8]) {
+  v16 p[4], q[2];
+  for (int i = 0; i < 4; ++i)  // [a_2i | a_2i+1]: lanes j + (j + 8), 8 each
+    p[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
+                                   20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)  // [a_4i | a_4i+2 | a_4i+1 | a_4i+3]: lanes j + (j + 4), 4 each
+    q[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10,
+                                   11, 24, 25, 26, 27) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14,
+                                   15, 28, 29, 30, 31);
+  // [a0 a4 a2 a6 a1 a5 a3 a7], 2 lanes each: (j + 2) added to j
+  const v16 t = __builtin_shufflevector(q[0], q[1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12,
+                                        13, 28, 29) +
+                __builtin_shufflevector(q[0], q[1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14,
+                                        15, 30, 31);
+  return __builtin_shufflevector(t, t, 0, 8, 4, 12, 2, 10, 6, 14) +  // back in order
+         __builtin_shufflevector(t, t, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #define PD_WIDE __attribute__((target("arch=x86-64-v4")))
 inline bool wide_cpu() {
