@@ -79,11 +79,54 @@ PD_INLINE int64_t first_key(const Problem& p, int64_t i) {
   return p.window > 0 ? std::max<int64_t>(0, i - p.window + 1) : 0;
 }
 
+// max(x[0], ..., x[n - 1]), n >= 1, a vector at a time (the scores hold no NaN).
+template <typename V>
+PD_INLINE float row_max(const float* x, int64_t n) {
+  constexpr int W = sizeof(V) / sizeof(float);
+  V mv = V{} + x[0];
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    const V xv = loadv<V>(x + j);
+    mv = xv > mv ? xv : mv;
+  }
+  float mx = mv[0];
+  for (int i = 1; i < W; ++i) mx = std::max(mx, mv[i]);
+  for (; j < n; ++j) mx = std::max(mx, x[j]);
+  return mx;
+}
+
+// exp(x[j] * scale - mx) in place for j in [0, n); returns their sum.
+template <typename V>
+PD_INLINE float exp_row(float* x, int64_t n, float scale, float mx) {
+  constexpr int W = sizeof(V) / sizeof(float);
+  V acc = {};
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    const V e = expv(loadv<V>(x + j) * scale - mx);
+    storev(x + j, e);
+    acc += e;
+  }
+  float sum = sumv(acc);
+  if constexpr (W > 8) {
+    if (j + 8 <= n) {
+      const v8 e = exp8(load8(x + j) * scale - mx);
+      store8(x + j, e);
+      sum += sum8(e), j += 8;
+    }
+  }
+  for (; j < n; ++j) {
+    x[j] = std::exp(x[j] * scale - mx);
+    sum += x[j];
+  }
+  return sum;
+}
+
 // Scores s [rows, n] of keys [c0, c0 + n) -> their exponentials against the running max m,
 // with the running sum l and the output rows o rescaled to the new max. Row r is query
 // q0 + r / G.
-PD_MULTIVERSION void online_softmax(const Problem& p, int64_t q0, int64_t rows, int64_t c0,
-                                    int64_t n, float* s, float* m, float* l, float* o) {
+template <typename V>
+PD_INLINE void softmax_rows(const Problem& p, int64_t q0, int64_t rows, int64_t c0, int64_t n,
+                            float* s, float* m, float* l, float* o) {
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = q0 + r / p.G;
@@ -91,32 +134,31 @@ PD_MULTIVERSION void online_softmax(const Problem& p, int64_t q0, int64_t rows, 
     const int64_t hi = std::min<int64_t>(i + 1 - c0, n);  // keys [lo, hi) of the chunk
     float* sr = s + r * n;
     float mx = m[r];
-    for (int64_t j = lo; j < hi; ++j) mx = std::max(mx, sr[j] * p.scale);
+    if (hi > lo) mx = std::max(mx, row_max<V>(sr + lo, hi - lo) * p.scale);  // scale > 0
     if (hi <= lo || mx == ninf) {  // nothing visible here: P = 0
       std::fill(sr, sr + n, 0.f);
       continue;
     }
     const float alpha = m[r] == ninf ? 0.f : std::exp(m[r] - mx);
     std::fill(sr, sr + lo, 0.f);
-    const v8 mv = v8{} + mx;
-    v8 acc = {};
-    int64_t j = lo;
-    for (; j + 8 <= hi; j += 8) {
-      const v8 e = exp8(load8(sr + j) * p.scale - mv);
-      store8(sr + j, e);
-      acc += e;
-    }
-    float sum = sum8(acc);
-    for (; j < hi; ++j) {
-      sr[j] = std::exp(sr[j] * p.scale - mx);
-      sum += sr[j];
-    }
+    const float sum = exp_row<V>(sr + lo, hi - lo, p.scale, mx);
     std::fill(sr + hi, sr + n, 0.f);
     l[r] = l[r] * alpha + sum;
     m[r] = mx;
     if (alpha != 1.f)
       for (int64_t d = 0; d < p.Dv; ++d) o[r * p.Dv + d] *= alpha;
   }
+}
+
+PD_MULTIVERSION void online_softmax(const Problem& p, int64_t q0, int64_t rows, int64_t c0,
+                                    int64_t n, float* s, float* m, float* l, float* o) {
+  softmax_rows<v8>(p, q0, rows, c0, n, s, m, l, o);
+}
+
+// The same on 16-float vectors, for CPUs with AVX-512 (wide_cpu()).
+PD_WIDE void online_softmax_wide(const Problem& p, int64_t q0, int64_t rows, int64_t c0,
+                                 int64_t n, float* s, float* m, float* l, float* o) {
+  softmax_rows<v16>(p, q0, rows, c0, n, s, m, l, o);
 }
 
 struct Scratch {
@@ -139,7 +181,8 @@ void run_task(const Problem& p, const Task& t, Scratch& w) {
     const int64_t n = std::min(kKeyChunk, t.q1 - c0);
     w.s.resize(rows * n);
     gemm_abt(rows, n, Dk, w.q.data(), Dk, kb + c0 * p.ks0, p.ks0, 0.f, w.s.data(), n);
-    online_softmax(p, t.q0, rows, c0, n, w.s.data(), w.m.data(), w.l.data(), w.o.data());
+    (wide_cpu() ? online_softmax_wide : online_softmax)(p, t.q0, rows, c0, n, w.s.data(),
+                                                        w.m.data(), w.l.data(), w.o.data());
     gemm_ab(rows, Dv, n, w.s.data(), n, vb + c0 * p.vs0, p.vs0, 1.f, w.o.data(), Dv);
   }
   for (int64_t r = 0; r < rows; ++r) {

@@ -112,29 +112,38 @@ inline bool wide_cpu() {
 inline bool wide_cpu() { return false; }
 #endif
 
-// exp(x) for x <= 0 (scores minus their maximum): 2^k * e^r with |r| <= ln2 / 2, e^r by a
-// degree-6 polynomial (relative error ~2e-7, like ATen's vectorized exp); -inf and below
-// -87 give 0.
-PD_INLINE v8 exp8(v8 x) {
-  const v8 lo = v8{} - 87.f;
-  const i8 under = x < lo;
+// exp(x) for x <= 0 (scores minus their maximum) on V = v8 or v16: 2^k * e^r with |r| <= ln2 /
+// 2, e^r by a degree-6 polynomial (relative error ~2e-7, like ATen's vectorized exp); -inf and
+// below -87 give 0. k is read from the bits of x * log2(e) + 1.5 * 2^23, whose last mantissa
+// bits hold it once the add has rounded (GCC 12's __builtin_convertvector rejects a
+// template-dependent vector type).
+template <typename V>
+PD_INLINE V expv(V x) {
+  using I = decltype(x < x);  // the int32 vector of V's width
+  const V lo = V{} - 87.f;
+  const I under = x < lo;
   x = x < lo ? lo : x;
-  const v8 magic = v8{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
-  v8 k = (x * 1.44269504088896341f + magic) - magic;
-  v8 r = x - k * 0.693359375f;  // ln2 in two parts, exact product with the first
+  const V magic = V{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  const V kf = x * 1.44269504088896341f + magic;
+  const V k = kf - magic;
+  V r = x - k * 0.693359375f;  // ln2 in two parts, exact product with the first
   r = r - k * -2.12194440e-4f;
-  v8 p = v8{} + 1.9875691500e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const i8 bits = (__builtin_convertvector(k, i8) + 127) << 23;  // 2^k
-  v8 two_k;
+  I bits;
+  __builtin_memcpy(&bits, &kf, sizeof bits);
+  bits = (bits - 0x4B400000 + 127) << 23;  // 2^k
+  V two_k;
   __builtin_memcpy(&two_k, &bits, sizeof two_k);
-  return under ? v8{} : p * two_k;
+  return under ? V{} : p * two_k;
 }
+
+PD_INLINE v8 exp8(v8 x) { return expv(x); }
 
 // f(T{}) for the tensor dtype's C++ type T: float32, bfloat16 or float16 (else a clear error).
 template <typename F>
