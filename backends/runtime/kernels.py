@@ -45,7 +45,8 @@ Three settings, read from the environment when a model loads (``KernelSettings.f
   AVX-512 variant 0.41 / 0.82 at 8 x 512 / 32 x 256 against 0.53 / 1.11 for the AVX2 one,
   fragmented pages, medians of 3 interleaved runs), float32
   prefill runs causal blocks on sgemm (:mod:`backends.runtime.prefill_attn`; 3.3-3.7 ms a layer
-  at 1 x 512 against 5.3-6.6 for SDPA); SDPA elsewhere or where the kernels cannot be built;
+  at 1 x 512 against 5.3-6.6 for SDPA; its softmax on 16 lanes on AVX-512 hosts: see
+  csrc/cpu_prefill.cpp); SDPA elsewhere or where the kernels cannot be built;
   On CUDA, ``auto`` runs the Triton paged-attention kernel for every kind of forward
   (:mod:`backends.runtime.cuda_attn`, :mod:`backends.runtime.triton_attn`).
   ``sdpa``: always SDPA (decode: gather + SDPA); ``compiled``: the ``torch.compile``'d decode

@@ -148,33 +148,14 @@ PD_INLINE void value_rows(const float* p, const T* vp, int64_t vs0, const int64_
     }
 }
 
-// softmax numerators in place over score[0:n] -> their sum
-PD_INLINE float softmax_numerators(float* score, int64_t n) {
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t l = 0; l < n; ++l) mx = std::max(mx, score[l]);
-  const v8 m = v8{} + mx;
-  v8 t = {};
-  int64_t l = 0;
-  for (; l + 8 <= n; l += 8) {
-    const v8 e = exp8(load8(score + l) - m);
-    store8(score + l, e);
-    t += e;
-  }
-  float total = sum8(t);
-  for (; l < n; ++l) {
-    score[l] = std::exp(score[l] - mx);
-    total += score[l];
-  }
-  return total;
-}
-
 template <int GT, typename V, typename T, typename C>
 PD_INLINE void attend_tile(const float* qf, int64_t Dk, int64_t Dv, const C* kp, int64_t ks0,
                            const C* vp, int64_t vs0, const int64_t* row, int64_t n,
                            float* score, float* buf, float* acc, T* out) {
   score_rows<GT, V>(qf, Dk, kp, ks0, row, n, score, buf);
   float total[GT];
-  for (int g = 0; g < GT; ++g) total[g] = softmax_numerators(score + g * n, n);
+  for (int g = 0; g < GT; ++g)  // softmax numerators in place (the queries came scaled)
+    total[g] = exp_sum<V>(score + g * n, n, 1.f, row_max<V>(score + g * n, n));
   value_rows<GT, V>(score, vp, vs0, row, n, acc, Dv);
   for (int g = 0; g < GT; ++g)
     for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] = static_cast<T>(acc[g * Dv + d] / total[g]);

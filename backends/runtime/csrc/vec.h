@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include <cmath>
 #include <cstdint>
 
 namespace pd {
@@ -144,6 +145,48 @@ PD_INLINE V expv(V x) {
 }
 
 PD_INLINE v8 exp8(v8 x) { return expv(x); }
+
+// max(x[0], ..., x[n - 1]), n >= 1, a V (v8 or v16) at a time (scores: no NaN).
+template <typename V>
+PD_INLINE float row_max(const float* x, int64_t n) {
+  constexpr int W = sizeof(V) / sizeof(float);
+  V mv = V{} + x[0];
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    const V xv = loadv<V>(x + j);
+    mv = xv > mv ? xv : mv;
+  }
+  float mx = mv[0];
+  for (int i = 1; i < W; ++i) mx = mx > mv[i] ? mx : mv[i];
+  for (; j < n; ++j) mx = mx > x[j] ? mx : x[j];
+  return mx;
+}
+
+// Softmax numerators in place: x[j] = exp(x[j] * scale - mx) for j in [0, n); -> their sum.
+template <typename V>
+PD_INLINE float exp_sum(float* x, int64_t n, float scale, float mx) {
+  constexpr int W = sizeof(V) / sizeof(float);
+  V acc = {};
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    const V e = expv(loadv<V>(x + j) * scale - mx);
+    storev(x + j, e);
+    acc += e;
+  }
+  float sum = sumv(acc);
+  if constexpr (W > 8) {
+    if (j + 8 <= n) {
+      const v8 e = exp8(load8(x + j) * scale - mx);
+      store8(x + j, e);
+      sum += sum8(e), j += 8;
+    }
+  }
+  for (; j < n; ++j) {
+    x[j] = std::exp(x[j] * scale - mx);
+    sum += x[j];
+  }
+  return sum;
+}
 
 // f(T{}) for the tensor dtype's C++ type T: float32, bfloat16 or float16 (else a clear error).
 template <typename F>
