@@ -85,9 +85,9 @@ def test_linear_small_every_row_tile(rows, wdtype):
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(50, 300, generator=g).to(wdtype)
     x, b = torch.randn(rows, 300, generator=g), torch.randn(50, generator=g)
-    exact = F.linear(x.double(), w.double(), b.double())
-    torch.testing.assert_close(op(x, w, b).double(), exact, atol=1e-4, rtol=1e-5)
     y = op(x, w, b)
+    exact = F.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(y.double(), exact, atol=1e-4, rtol=1e-5)
     for r in range(0, rows, 3):  # 3-row calls (one tile, each sum reduced alone): bit for bit
         assert torch.equal(op(x[r : r + 3], w, b), y[r : r + 3]) or rows - r < 3
 

@@ -136,14 +136,14 @@ void run_task(const Problem& p, const Task& t, Scratch& w) {
     for (int64_t g = 0; g < G; ++g)
       std::copy_n(p.q + (t.start + i) * p.qs0 + (t.h * G + g) * Dk, Dk,
                   w.q.data() + ((i - t.q0) * G + g) * Dk);
+  const auto softmax = wide_cpu() ? online_softmax_wide : online_softmax;
   const float* kb = p.k + t.start * p.ks0 + t.h * Dk;
   const float* vb = p.v + t.start * p.vs0 + t.h * Dv;
   for (int64_t c0 = first_key(p, t.q0); c0 < t.q1; c0 += kKeyChunk) {
     const int64_t n = std::min(kKeyChunk, t.q1 - c0);
     w.s.resize(rows * n);
     gemm_abt(rows, n, Dk, w.q.data(), Dk, kb + c0 * p.ks0, p.ks0, 0.f, w.s.data(), n);
-    (wide_cpu() ? online_softmax_wide : online_softmax)(p, t.q0, rows, c0, n, w.s.data(),
-                                                        w.m.data(), w.l.data(), w.o.data());
+    softmax(p, t.q0, rows, c0, n, w.s.data(), w.m.data(), w.l.data(), w.o.data());
     gemm_ab(rows, Dv, n, w.s.data(), n, vb + c0 * p.vs0, p.vs0, 1.f, w.o.data(), Dv);
   }
   for (int64_t r = 0; r < rows; ++r) {

@@ -174,13 +174,7 @@ PD_INLINE float exp_sum(float* x, int64_t n, float scale, float mx) {
     acc += e;
   }
   float sum = sumv(acc);
-  if constexpr (W > 8) {
-    if (j + 8 <= n) {
-      const v8 e = exp8(load8(x + j) * scale - mx);
-      store8(x + j, e);
-      sum += sum8(e), j += 8;
-    }
-  }
+  if constexpr (W > 8) return sum + exp_sum<v8>(x + j, n - j, scale, mx);  // an 8-float tail
   for (; j < n; ++j) {
     x[j] = std::exp(x[j] * scale - mx);
     sum += x[j];
