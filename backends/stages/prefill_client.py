@@ -49,6 +49,7 @@ def infer_request(req: rq.StageRequest, fingerprint: str = "") -> service_pb2.Mo
     data = rq.encode(req)
     r.raw_input_contents.append(_LEN.pack(len(data)) + data)
     r.parameters["triton_enable_empty_final_response"].bool_param = True
+    r.parameters[rq.HOLD_PARAM].bool_param = True
     return r
 
 

@@ -21,6 +21,10 @@ from ..runtime.sampler import SamplingParams, TokenLogprob
 
 REQUEST_TENSOR = "REQUEST"
 RESPONSE_TENSOR = "RESPONSE"
+# a request parameter: the prefill model keeps the call open until it is done with the room (an
+# empty final response), so that a server dying mid-room breaks a forwarded call; without it (in
+# the ensemble) its answer closes the call
+HOLD_PARAM = "pd_hold_until_done"
 
 
 class StageRequest(msgspec.Struct, frozen=True, kw_only=True):

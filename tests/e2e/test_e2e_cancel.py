@@ -13,7 +13,16 @@ import time
 
 import numpy as np
 import pytest
-from triton_harness import GrpcStream, grpc_ask, grpc_input, launch, metrics, stop, wait_pages_free
+from triton_harness import (
+    GrpcStream,
+    assert_stopped_with_nothing_in_flight,
+    grpc_ask,
+    grpc_input,
+    launch,
+    metrics,
+    stop,
+    wait_pages_free,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -25,8 +34,7 @@ def slow(tmp_path_factory):
     srv, serve, env = launch(tmp_path_factory.mktemp("slow"), sets, env=env)
     yield srv
     stop(srv, serve, env)
-    log = open(srv.log).read()
-    assert "Found 0 model versions that have in-flight inferences" in log, log[-3000:]
+    assert_stopped_with_nothing_in_flight(srv)
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -63,11 +71,30 @@ def cancel_at(server, fields: dict, after_s: float) -> dict:
     return {"generated": ended.get(gen, 0) - before.get(gen, 0)}
 
 
+def prefill_timing(server, n: int) -> tuple[float, float]:
+    """(seconds from sending until prefill starts computing, seconds it computes) for an
+    ``n``-token prompt on this host, from an uncancelled request's prefill trace record."""
+    gen = ("pd_generated_tokens_total", "decode")
+    before, sent = metrics(server).get(gen, 0), time.time()
+    _, _, err = grpc_ask(server.grpc, {"input_ids": ids(n, 99), "max_tokens": 1})
+    assert err is None, err
+    deadline = time.time() + 10  # trace records and metrics are written off the hot path
+    while True:
+        recs = [r for r in trace(server) if r["stage"] == "prefill" and r.get("start", 0) > sent]
+        if (recs and metrics(server).get(gen, 0) > before) or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert recs and "computed" in recs[0], recs
+    return recs[0]["start"] - sent, recs[0]["computed"] - recs[0]["start"]
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_cancel_while_prefill_computes(slow, stream):
-    fields = {"input_ids": ids(1500, 1), "max_tokens": 32, "stream": stream}
-    assert cancel_at(slow, fields, 1.0)["generated"] == 0
-    deadline = time.time() + 10  # the stages write their trace records off the hot path
+    # cancel a third into the compute, as measured here: a fixed time raced the host's speed
+    start, compute = prefill_timing(slow, 2000)
+    fields = {"input_ids": ids(2000, 1), "max_tokens": 16, "stream": stream}
+    assert cancel_at(slow, fields, start + compute / 3)["generated"] == 0
+    deadline = time.time() + 10
     while True:
         pre = [r for r in trace(slow) if r["stage"] == "prefill" and r.get("error")]
         if any("ended while prefill computed" in r["error"] for r in pre) or time.time() > deadline:

@@ -14,6 +14,7 @@ import pytest
 from triton_harness import (
     MODEL,
     GrpcStream,
+    assert_stopped_with_nothing_in_flight,
     grpc_ask,
     grpc_input,
     http_generate,
@@ -42,6 +43,9 @@ def small(tmp_path_factory):
     srv, serve, env = launch(tmp_path_factory.mktemp("small"), sets)
     yield srv
     stop(srv, serve, env)
+    # a request decode refused at once (the last test) once left its ensemble request in
+    # flight for good: prefill's step now closes with its answer
+    assert_stopped_with_nothing_in_flight(srv)
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:

@@ -90,6 +90,14 @@ def stop(srv: Server, serve: list[str], env: dict, timeout_s: int = 30) -> None:
     subprocess.run(cmd, env=env, timeout=timeout_s + 30)
 
 
+
+def assert_stopped_with_nothing_in_flight(srv: Server) -> None:
+    """After :func:`stop`: Triton found no request still in flight (one left open for good makes
+    every stop wait out the whole exit timeout)."""
+    with open(srv.log) as f:
+        log = f.read()
+    assert "Found 0 model versions that have in-flight inferences" in log, log[-3000:]
+
 # ---- reference ---------------------------------------------------------------------------------
 class Reference:
     def __init__(self):

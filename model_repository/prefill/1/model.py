@@ -1,10 +1,17 @@
 """Triton adapter of the prefill stage (core: backends.stages.prefill.PrefillWorker).
 
 Decoupled: each request is queued with the worker (which computes it once decode registered its
-pages) and answered at once with the request carrying this instance's bootstrap address (the
-ensemble starts decode from that answer); the request closes (final flag, no second response)
-when the worker is done with it. A request the worker refuses (invalid, or overloaded: its queue
-is full) gets that error at once. Errors after the answer reach the client through decode.
+pages) and answered at once by the request carrying this instance's bootstrap address (the
+ensemble starts decode from that answer). A request the worker refuses (invalid, or overloaded:
+its queue is full) gets that error at once. Errors after the answer reach the client through
+decode, whose step stays open until the request ends.
+
+In the ensemble the answer is final: an open prefill step outliving a failed decode step (decode
+refused the request, or failed it while prefill computed) left the ensemble request in flight for
+good in Triton 2.51, whose ensemble ignores a step's closing flag once another step failed; a
+cancel reaches prefill through decode (its heartbeats, then its abort). A request forwarded by
+another server's router (backends/stages/prefill_client.py: ``HOLD_PARAM``) is held open until
+the worker is done with the room instead, so that a server dying mid-room breaks that call.
 """
 
 # ruff: noqa: E402
@@ -15,12 +22,15 @@ import sys
 # project and its virtual environment import (scripts/serve.sh sets PYTHONPATH).
 sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p not in sys.path]
 
+import json
+
 import triton_python_backend_utils as pb
 
 from backends.stages import triton_glue as g
 from backends.stages.fingerprint import ForwardCheck, info_labels
 from backends.stages.params import instance_index
 from backends.stages.prefill import PrefillWorker
+from backends.stages.request import HOLD_PARAM
 
 FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -47,13 +57,17 @@ class TritonPythonModel:
             for request in requests:
                 sender = request.get_response_sender()
                 try:
-                    self.identity.check(request.parameters())
+                    params = request.parameters()
+                    self.identity.check(params)
+                    hold = json.loads(params or "{}").get(HOLD_PARAM) is True
                     req = g.stage_request(pb, request).with_bootstrap(self.worker.bootstrap_addr)
-                    self.worker.submit(req, lambda _result, s=sender: s.send(flags=FINAL))
+                    done = (lambda _result, s=sender: s.send(flags=FINAL)) if hold else None
+                    self.worker.submit(req, done)
                 except Exception as e:  # invalid (400), overloaded (503) or internal: this one only
                     sender.send(g.exception_response(pb, "prefill", e), flags=FINAL)
                     continue
-                sender.send(pb.InferenceResponse(output_tensors=[g.request_tensor(pb, req)]))
+                answer = pb.InferenceResponse(output_tensors=[g.request_tensor(pb, req)])
+                sender.send(answer, flags=0 if hold else FINAL)
             return None
 
     def _stats(self) -> dict:
