@@ -119,22 +119,26 @@ def log(msg: str) -> None:
     print(f"[train_eagle] {msg}", file=sys.stderr, flush=True)
 
 
-def responses(runner, prompt_ids: list[list[int]], max_tokens: int, batch: int = 48):
-    """The target's greedy responses (its own text is what the head will see served)."""
+def responses(runner, prompt_ids: list[list[int]], max_tokens: int, batch: int = 256):
+    """The target's greedy responses (its own text is what the head will see served), all
+    prompts in one continuously batched run of up to ``batch`` sequences (a batch refilled as
+    sequences end: 1.4x the tokens/s of batches of 48 run to their end, on 2 cores)."""
     from backends.runtime.engine import LLMEngine
     from backends.runtime.sampler import SamplingParams
 
     longest = max(len(p) for p in prompt_ids) + max_tokens
     pool = runner.make_pool(batch * -(-longest // PAGE) + 1, PAGE)
     engine = LLMEngine(runner, pool, max_batch=batch)
-    out, t0 = [], time.time()
-    for i in range(0, len(prompt_ids), batch):
-        chunk = prompt_ids[i : i + batch]
-        seqs = engine.generate([(p, SamplingParams(max_tokens=max_tokens)) for p in chunk])
-        out += [s.output_ids for s in seqs]
-        done = len(out)
-        log(f"responses {done}/{len(prompt_ids)} ({time.time() - t0:.0f} s)")
-    return out
+    sp = SamplingParams(max_tokens=max_tokens)
+    seqs = [engine.add_request(f"data-{i}", p, sp) for i, p in enumerate(prompt_ids)]
+    t0 = shown = time.time()
+    while engine.has_unfinished():
+        engine.step()
+        if time.time() - shown > 30:
+            shown, done = time.time(), sum(s.finished for s in seqs)
+            log(f"responses {done}/{len(seqs)} ({shown - t0:.0f} s)")
+    log(f"responses {len(seqs)}/{len(seqs)} ({time.time() - t0:.0f} s)")
+    return [s.output_ids for s in seqs]
 
 
 def features(runner, sequences: list[list[int]], batch: int = 16) -> list[torch.Tensor]:

@@ -209,8 +209,24 @@ def parse_args(argv=None):
     ap.add_argument("--data-cache", default=None,
                     help="path prefix: keep the target's responses and features there; reuse"
                     " them when the target, max tokens and prompts match")  # fmt: skip
+    ap.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                    help="training matmuls: bf16 autocast (weights and the optimizer stay"
+                    " float32) or fp32; auto = bf16 where oneDNN runs it natively")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
+
+
+def use_bf16(precision: str) -> bool:
+    """bf16 autocast for training: asked for, or ``auto`` on a CPU with native bf16 matmuls
+    (AMX or AVX-512 BF16 in /proc/cpuinfo; elsewhere oneDNN emulates them)."""
+    if precision != "auto":
+        return precision == "bf16"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
+    except OSError:
+        return False
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
 
 
 def main(argv=None) -> None:
@@ -233,13 +249,14 @@ def main(argv=None) -> None:
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     steps = args.epochs * -(-len(train) // args.batch)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, args.lr, total_steps=steps, pct_start=0.05)
-    deadline, step = time.time() + 60 * args.minutes, 0
+    deadline, step, bf16 = time.time() + 60 * args.minutes, 0, use_bf16(args.precision)
     bar = tqdm(total=steps, desc="train_eagle", file=sys.stderr, mininterval=5)
     for _ in range(args.epochs):
         random.Random(step).shuffle(train)
         for i in range(0, len(train), args.batch):
             batch = make_batch(train[i : i + args.batch], vocab_map, args.noise, args.chain)
-            loss, hit = losses(model, batch, args.feature_weight, args.prompt_weight)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss, hit = losses(model, batch, args.feature_weight, args.prompt_weight)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -264,7 +281,7 @@ def main(argv=None) -> None:
         "out": args.out, "train_sequences": len(train), "held_out_sequences": len(held),
         "train_tokens": int(sum(len(t) for t, _, _ in train)), "draft_vocab": D,
         "draft_vocab_coverage": coverage, "steps": step, "data_s": t_data,
-        "train_s": time.time() - t0 - t_data,
+        "train_s": time.time() - t0 - t_data, "bf16": bf16,
         "held_out_loss": sum(float(e[0]) for e in evals) / len(evals),
         "held_out_response_acc": [sum(e[1][s] for e in evals) / len(evals)
                                   for s in range(args.chain)],

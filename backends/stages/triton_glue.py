@@ -121,6 +121,19 @@ def exception_response(pb, where: str, exc: BaseException):
     return error_response(pb, f"{where}: {exc}", errors.kind_of(exc))
 
 
+def answer_each(pb, requests, where: str, handle) -> None:
+    """``handle(request, sender)`` for each request of a decoupled model's batch; an exception
+    it raises answers that request alone, with its error as the final response (invalid: 400,
+    overloaded: 503, else internal)."""
+    for request in requests:
+        sender = request.get_response_sender()
+        try:
+            handle(request, sender)
+        except Exception as e:  # this request only
+            final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+            sender.send(exception_response(pb, where, e), flags=final)
+
+
 class StageMetrics:
     def __init__(
         self,

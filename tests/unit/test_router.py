@@ -245,3 +245,16 @@ def test_a_dns_name_with_several_addresses_is_one_server_each(monkeypatch):
     r._refresh()
     assert sorted(s.name for s in r.servers) == ["10.1.0.7:8001", "10.1.0.9:8001"]
     assert r.dispatch(req())[1] in ("10.1.0.7:8001", "10.1.0.9:8001")
+
+
+def test_a_forwarded_request_asks_prefill_to_hold_the_call_until_the_room_is_done():
+    """Failover needs the forwarded call open until prefill is done with the room (a dying server
+    breaks it); the prefill model closes a call with its answer unless asked (the ensemble)."""
+    from backends.stages.prefill_client import infer_request
+    from backends.stages.request import HOLD_PARAM
+
+    req = StageRequest(room=7, prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4))
+    msg = infer_request(req, fingerprint="")
+    assert msg.parameters[HOLD_PARAM].bool_param is True
+    assert msg.parameters["triton_enable_empty_final_response"].bool_param is True
+    assert msg.model_name == "prefill" and msg.id == "7"

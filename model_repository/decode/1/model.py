@@ -58,17 +58,15 @@ class TritonPythonModel:
         name = args["model_instance_name"]
         g.exit_when_a_rank_dies(name, self.worker.runner, self.worker.draft)
 
+    def _submit(self, request, sender) -> None:
+        req = g.stage_request(pb, request)
+        emit = _emitter(sender, req, self.worker.cancel_addr)
+        self.worker.submit(req, emit, sender.is_cancelled)
+
     def execute(self, requests):
         with self.retirement:  # a replaced version exits only between batches
-            for request in requests:
-                sender = request.get_response_sender()
-                try:
-                    req = g.stage_request(pb, request)
-                    emit = _emitter(sender, req, self.worker.cancel_addr)
-                    self.worker.submit(req, emit, sender.is_cancelled)
-                except Exception as e:  # invalid (400), overloaded (503) or internal: this one only
-                    sender.send(g.exception_response(pb, "decode", e), flags=FINAL)
-            return None
+            g.answer_each(pb, requests, "decode", self._submit)
+        return None
 
     def finalize(self):
         self.metrics.close()

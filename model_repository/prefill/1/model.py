@@ -52,23 +52,19 @@ class TritonPythonModel:
         # tensor parallel: a dead rank ends this process; the supervisor loads the stage again
         g.exit_when_a_rank_dies(name, self.worker.runner, self.worker.draft)
 
+    def _submit(self, request, sender) -> None:
+        params = request.parameters()
+        self.identity.check(params)
+        hold = json.loads(params or "{}").get(HOLD_PARAM) is True
+        req = g.stage_request(pb, request).with_bootstrap(self.worker.bootstrap_addr)
+        self.worker.submit(req, (lambda _result: sender.send(flags=FINAL)) if hold else None)
+        answer = pb.InferenceResponse(output_tensors=[g.request_tensor(pb, req)])
+        sender.send(answer, flags=0 if hold else FINAL)
+
     def execute(self, requests):
         with self.retirement:  # a replaced version exits only between batches
-            for request in requests:
-                sender = request.get_response_sender()
-                try:
-                    params = request.parameters()
-                    self.identity.check(params)
-                    hold = json.loads(params or "{}").get(HOLD_PARAM) is True
-                    req = g.stage_request(pb, request).with_bootstrap(self.worker.bootstrap_addr)
-                    done = (lambda _result, s=sender: s.send(flags=FINAL)) if hold else None
-                    self.worker.submit(req, done)
-                except Exception as e:  # invalid (400), overloaded (503) or internal: this one only
-                    sender.send(g.exception_response(pb, "prefill", e), flags=FINAL)
-                    continue
-                answer = pb.InferenceResponse(output_tensors=[g.request_tensor(pb, req)])
-                sender.send(answer, flags=0 if hold else FINAL)
-            return None
+            g.answer_each(pb, requests, "prefill", self._submit)
+        return None
 
     def _stats(self) -> dict:
         ready = int(self.worker.sender.alive)  # its KV endpoint is bound and served

@@ -41,8 +41,7 @@ class TritonPythonModel:
         self.stage_metrics = g.StageMetrics(pb, "router", name, self.router.stage_stats)
         self.retirement = g.Retirement(name)
 
-    def _route(self, request) -> None:
-        sender = request.get_response_sender()
+    def _route(self, request, sender) -> None:
         req = g.stage_request(pb, request)
 
         def routed(r):  # final at once: decode alone waits for the prefill server from here
@@ -55,13 +54,8 @@ class TritonPythonModel:
 
     def execute(self, requests):
         with self.retirement:  # a replaced version exits only between batches
-            for request in requests:
-                try:
-                    self._route(request)
-                except Exception as e:  # invalid (400) or overloaded (503): this one only
-                    sender = request.get_response_sender()
-                    sender.send(g.exception_response(pb, "prefill router", e), flags=FINAL)
-            return None
+            g.answer_each(pb, requests, "prefill router", self._route)
+        return None
 
     def finalize(self):
         self.stage_metrics.close()
