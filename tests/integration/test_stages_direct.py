@@ -61,10 +61,11 @@ def test_disaggregated_greedy_equals_transformers_and_frees_pages():
         )
         cancelled = _CancelAfter(3, cancel_flag)
         decode.submit(long_req, cancelled, cancel_flag.is_set)
-        for i, ids in enumerate(prompts):
-            first, err = prefill.prefill(100 + i, ids)
-            assert err is None
-        assert prefill.prefill(200, prompts[0])[1] is None
+        # prefilled as serving does (one batch): one room at a time, a fast decode could finish
+        # each before the next one's KV landed (max_batch 1 on a loaded host)
+        rooms = [(100 + i, ids) for i, ids in enumerate(prompts)] + [(200, prompts[0])]
+        results, _ = prefill.submit_all(rooms)
+        assert [err for _, err in results] == [None] * len(rooms)
         for c in [*outs, cancelled]:
             assert c.done.wait(60)
         for ids, c in zip(prompts, outs, strict=True):
