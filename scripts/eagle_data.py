@@ -160,17 +160,19 @@ def features(runner, sequences: list[list[int]], batch: int = 16) -> list[torch.
     return feats
 
 
-def save(path: str, key: dict, items: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Keep (tokens, features) pairs in a safetensors file tagged with ``key``."""
+def save(path: str, key: dict, items: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+    """Keep (tokens, features, prompt length) items in a safetensors file tagged with ``key``."""
     from safetensors.torch import save_file
 
-    tensors = {f"{i}.{n}": t.contiguous() for i, pair in enumerate(items)
-               for n, t in zip(("tokens", "feats"), pair, strict=True)}  # fmt: skip
+    tensors = {}
+    for i, (tokens, feats, plen) in enumerate(items):
+        tensors |= {f"{i}.tokens": tokens.contiguous(), f"{i}.feats": feats.contiguous(),
+                    f"{i}.plen": torch.tensor([plen])}  # fmt: skip
     save_file(tensors, path, metadata={"key": json.dumps(key, sort_keys=True)})
 
 
-def load(path: str, key: dict) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """The pairs :func:`save` kept at ``path`` under the same ``key``, else None."""
+def load(path: str, key: dict) -> list[tuple[torch.Tensor, torch.Tensor, int]] | None:
+    """The items :func:`save` kept at ``path`` under the same ``key``, else None."""
     from safetensors import safe_open
 
     if not os.path.exists(path):
@@ -178,5 +180,6 @@ def load(path: str, key: dict) -> list[tuple[torch.Tensor, torch.Tensor]] | None
     with safe_open(path, "pt") as f:
         if f.metadata().get("key") != json.dumps(key, sort_keys=True):
             return None
-        n = len(list(f.keys())) // 2
-        return [(f.get_tensor(f"{i}.tokens"), f.get_tensor(f"{i}.feats")) for i in range(n)]
+        n = len(list(f.keys())) // 3
+        return [(f.get_tensor(f"{i}.tokens"), f.get_tensor(f"{i}.feats"),
+                 int(f.get_tensor(f"{i}.plen")[0])) for i in range(n)]  # fmt: skip

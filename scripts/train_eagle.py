@@ -17,9 +17,10 @@ attention spelled out, the same math the runtime runs (checked by a test).
 
     .venv/bin/python scripts/train_eagle.py --out models/smollm2-135m-instruct-eagle
 
-(SmolLM2-135M on 2 cores with the defaults: 43 minutes, of which the target's responses and
-features 27 and training 17 (bf16 autocast); ``--minutes`` caps training; ``--data-cache
-PREFIX`` keeps the responses and features for another run.)
+(SmolLM2-135M on 2 cores with the defaults: 34 minutes, of which the target's responses (in
+bfloat16 on a CPU with native bf16) and features (float32) 14 and training 20 (bf16 autocast);
+``--minutes`` caps training; ``--data-cache PREFIX`` keeps the responses and features for another
+run.)
 Prints one JSON line at the end: data sizes, times, and held-out teacher-forced accuracy on
 response tokens (what serving drafts).
 """
@@ -160,28 +161,33 @@ def losses(model, batch, feature_weight: float, prompt_weight: float = 1.0):
     return loss, hits
 
 
-def build_data(target, args, held_out: bool):
+def build_data(target, writer, args, held_out: bool):
+    """(tokens, features, prompt length) of each prompt + the target's response: the greedy
+    responses of ``writer`` (the target in ``--response-dtype``), the features ``target``'s
+    (float32, as served)."""
     from backends.runtime.tokenizer import Tokenizer, has_tokenizer
 
     n = args.eval_prompts if held_out else args.prompts
+    convs = data.prompts(n, args.seed, held_out)
+    key = {"target": args.target, "max_tokens": args.max_tokens, "seed": args.seed,
+           "templated_sha256": hashlib.sha256(json.dumps(convs).encode()).hexdigest(),
+           "response_dtype": writer.dtype}  # fmt: skip
+    path = args.data_cache and f"{args.data_cache}.{'held' if held_out else 'train'}.safetensors"
+    if path and (items := data.load(path, key)) is not None:
+        return items
     if has_tokenizer(args.target):
-        ids = data.encode(Tokenizer(args.target), data.prompts(n, args.seed, held_out))
+        ids = data.encode(Tokenizer(args.target), convs)
     else:  # a test model without a tokenizer: random prompts
         rng = random.Random(args.seed + held_out)
         vocab = target.config.vocab_size
         ids = [[rng.randrange(3, vocab) for _ in range(rng.randint(4, 24))] for _ in range(n)]
-    key = {"target": args.target, "max_tokens": args.max_tokens,
-           "prompts_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest()}  # fmt: skip
-    path = args.data_cache and f"{args.data_cache}.{'held' if held_out else 'train'}.safetensors"
-    pairs = data.load(path, key) if path else None
-    if pairs is None:
-        outs = data.responses(target, ids, args.max_tokens)
-        seqs = [p + o for p, o in zip(ids, outs, strict=True)]
-        feats = data.features(target, seqs)
-        pairs = [(torch.tensor(s), f) for s, f in zip(seqs, feats, strict=True)]
-        if path:
-            data.save(path, key, pairs)
-    return [(t, f, len(p)) for (t, f), p in zip(pairs, ids, strict=True)]
+    outs = data.responses(writer, ids, args.max_tokens)
+    seqs = [p + o for p, o in zip(ids, outs, strict=True)]
+    feats = data.features(target, seqs)
+    items = [(torch.tensor(s), f, len(p)) for s, f, p in zip(seqs, feats, ids, strict=True)]
+    if path:
+        data.save(path, key, items)
+    return items
 
 
 def parse_args(argv=None):
@@ -191,15 +197,18 @@ def parse_args(argv=None):
     ap.add_argument("--prompts", type=int, default=6144, help="training prompts")
     ap.add_argument("--eval-prompts", type=int, default=48, help="held-out prompts")
     ap.add_argument("--max-tokens", type=int, default=96, help="response tokens per prompt")
+    ap.add_argument("--response-dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                    help="the target's dtype for its responses (features stay"
+                    " float32); auto = bfloat16 where the CPU has native bf16 (2.3x faster)")
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--intermediate", type=int, default=1536)
-    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--minutes", type=float, default=25.0, help="training time cap")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--noise", type=float, default=0.05)
     ap.add_argument("--feature-weight", type=float, default=1.0)
     ap.add_argument("--prompt-weight", type=float, default=0.2,
@@ -236,7 +245,12 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
     t0 = time.time()
     target = ModelRunner.load(args.target, device="cpu")  # training runs on CPU
-    train, held = build_data(target, args, False), build_data(target, args, True)
+    rdtype = args.response_dtype
+    if rdtype == "auto":
+        rdtype = "bfloat16" if use_bf16("auto") else "float32"
+    writer = target if rdtype == "float32" else ModelRunner.load(args.target, dtype=rdtype)
+    train, held = (build_data(target, writer, args, h) for h in (False, True))
+    del writer
     t_data = time.time() - t0
     V = target.config.vocab_size
     counts = torch.bincount(torch.cat([t[2:] for t, _, _ in train]), minlength=V)

@@ -272,12 +272,13 @@ def test_train_data_cache_round_trip_and_key(tmp_path):
     _train_eagle()
     import eagle_data
 
-    items = [(torch.tensor(t), torch.randn(len(t), 3)) for t in ([5, 6, 7, 8], [9, 2])]
+    items = [(torch.tensor(t), torch.randn(len(t), 3), p)
+             for t, p in (([5, 6, 7, 8], 3), ([9, 2], 1))]  # fmt: skip
     path = str(tmp_path / "d.safetensors")
     eagle_data.save(path, {"prompts": 2, "seed": 0}, items)
     got = eagle_data.load(path, {"seed": 0, "prompts": 2})
-    for (t, f), (t2, f2) in zip(got, items, strict=True):
-        assert torch.equal(t, t2) and torch.equal(f, f2)
+    for (t, f, p), (t2, f2, p2) in zip(got, items, strict=True):
+        assert torch.equal(t, t2) and torch.equal(f, f2) and p == p2
     assert eagle_data.load(path, {"prompts": 3, "seed": 0}) is None
     assert eagle_data.load(str(tmp_path / "none.safetensors"), {}) is None
 
