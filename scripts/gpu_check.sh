@@ -2,13 +2,16 @@
 # The GPU check: run on a host with CUDA GPUs after scripts/setup.sh (which installs the CUDA
 # builds of torch and Mooncake there). CI has no GPU; this is the script that covers the CUDA path.
 #
-#   scripts/gpu_check.sh [--quick] [--out DIR]
+#   scripts/gpu_check.sh [--quick] [--out DIR] [--only NAME,NAME...]
 #
+# --only runs just the named checks (the names in the summary: oracle, kernels, half, graphs,
+# transfers, bench_runtime, ...), e.g. to re-run what failed.
 # 1. the runtime oracle tests on CUDA (greedy == transformers, grouped prefill, batching, spec),
 #    with the Triton attention kernel (the CUDA default) and again with gather + SDPA;
 #    the Triton kernel against a float64 reference on the GPU (GQA, window, MLA, fp8 KV, splits);
 #    float16 models (tiny + SmolLM2) and SmolLM2 bfloat16 greedy == transformers in that dtype;
-#    decode from CUDA graphs (opt-in PD_RUNTIME_CUDA_GRAPHS=1) == eager == transformers;
+#    decode from CUDA graphs (the CUDA default; PD_RUNTIME_CUDA_GRAPHS=0: eager) == eager ==
+#    transformers;
 # 2. byte-exact grouped KV transfers between OS processes from CUDA pools (GQA and MLA);
 # 3. end to end through tritonserver with prefill and decode placed on GPUs (two GPUs when there
 #    are two: --prefill-gpus 0 --decode-gpus 1; else both on GPU 0), greedy == transformers;
@@ -22,11 +25,12 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 VPY="${PD_PYTHON:-$ROOT/.venv/bin/python}"  # PD_PYTHON: a Python with CUDA torch, if not .venv
-OUT="$ROOT/bench_out/gpu" QUICK=0
+OUT="$ROOT/bench_out/gpu" QUICK=0 ONLY=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1; shift ;;
     --out) OUT="$2"; shift 2 ;;
+    --only) ONLY=",$2,"; shift 2 ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -46,6 +50,7 @@ STATUS=()
 step() { printf '\n[gpu_check] %s\n' "$*"; }
 run() {  # run NAME CMD...: log to $OUT/NAME.log, remember pass/fail, go on
   local name="$1"; shift
+  [ -z "$ONLY" ] || [[ "$ONLY" == *",$name,"* ]] || return 0
   if "$@" >"$OUT/$name.log" 2>&1; then STATUS+=("$name: ok"); else STATUS+=("$name: FAILED (see $OUT/$name.log)"); fi
   tail -n 3 "$OUT/$name.log"
 }
@@ -55,7 +60,7 @@ why_missing() {  # why_missing CMD...: nothing if CMD succeeds, else its last li
 }
 MISSING_MOONCAKE="$(why_missing "$VPY" -c 'from kvtransfer.engine import _load_transfer_engine as f; f()')"
 MISSING_TRITON="$(why_missing "$VPY" scripts/triton_paths.py)"
-skip() { STATUS+=("$1: SKIPPED ($2)"); echo "skipped: $2"; }
+skip() { [ -z "$ONLY" ] || [[ "$ONLY" == *",$1,"* ]] || return 0; STATUS+=("$1: SKIPPED ($2)"); echo "skipped: $2"; }
 
 step "GPUs: $NGPU ($(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs))"
 step "1/4 runtime oracle tests on CUDA"
@@ -81,10 +86,12 @@ if [ -n "$MISSING_MOONCAKE$MISSING_TRITON" ]; then skip e2e "$MISSING_MOONCAKE$M
 fi
 step "4/4 benchmarks on CUDA"
 REQ=5; [ "$QUICK" = 1 ] && REQ=2
-if [ -n "$MISSING_MOONCAKE$MISSING_TRITON" ]; then
-  skip bench_transfer+ttft "$MISSING_MOONCAKE$MISSING_TRITON"
-else
+if [ -n "$MISSING_MOONCAKE" ]; then skip bench_transfer "$MISSING_MOONCAKE"; else
   run bench_transfer "$VPY" scripts/bench/bench_transfer.py --device cuda --requests "$REQ" --json
+fi
+if [ -n "$MISSING_MOONCAKE$MISSING_TRITON" ]; then
+  skip bench_ttft "$MISSING_MOONCAKE$MISSING_TRITON"
+else
   run bench_ttft "$VPY" scripts/bench/bench_ttft.py --quick --device cuda --out "$OUT/ttft" --json
 fi
 run bench_runtime "$VPY" scripts/bench/bench_runtime.py --device cuda --runs 3 --json
@@ -92,7 +99,7 @@ run bench_runtime_sdpa env PD_RUNTIME_ATTENTION=sdpa "$VPY" scripts/bench/bench_
   --device cuda --runs 3 --json
 run bench_runtime_fp16 "$VPY" scripts/bench/bench_runtime.py --device cuda --runs 3 \
   --dtype float16 --json
-run bench_runtime_graphs env PD_RUNTIME_CUDA_GRAPHS=1 "$VPY" scripts/bench/bench_runtime.py \
+run bench_runtime_eager env PD_RUNTIME_CUDA_GRAPHS=0 "$VPY" scripts/bench/bench_runtime.py \
   --device cuda --runs 3 --json
 run bench_triton_attn "$VPY" scripts/bench/bench_triton_attn.py --json
 
@@ -121,7 +128,7 @@ if s:
     print("TTFT:", ", ".join(f"{k} {s[k]}" for k in keys), "| ttft_ms", s.get("ttft_ms"))
 for log, what in (("bench_runtime", "triton attention"), ("bench_runtime_sdpa", "gather + SDPA"),
                   ("bench_runtime_fp16", "float16, triton attention"),
-                  ("bench_runtime_graphs", "CUDA graphs on")):
+                  ("bench_runtime_eager", "CUDA graphs off")):
     r = last_json(log)
     if r:
         for impl, res in r["results"].items():

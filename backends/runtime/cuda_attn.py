@@ -1,5 +1,6 @@
 """The CUDA attention path: the Triton paged-attention kernel (:mod:`.triton_attn`) for every
-kind of forward, reading K/V in place from the pool through the batch's page table.
+kind of forward but a lone prompt from position 0 (SDPA's flash kernel, see
+:func:`backends.runtime.attention.attend`), reading K/V in place through the batch's page table.
 
 ``triton`` is imported on the first CUDA forward only, so CPU hosts and the CPU tests never
 import it. If the import or a kernel's compilation fails, the runtime logs one warning and runs
@@ -44,6 +45,11 @@ def _kernels(strict: bool = False):
                 log.warning("Triton attention unavailable (pip install triton), using SDPA: %s", e)
                 _module = False
         return _module
+
+
+def kernels_ok() -> bool:
+    """False once the Triton kernels failed to import or compile (SDPA from then on)."""
+    return _module is not False
 
 
 def cuda_attention(q: Tensor, k_cache: Tensor, v_cache, v_dim, meta: BatchMeta, scale: float,

@@ -1,7 +1,8 @@
-"""Decode steps replayed from CUDA graphs, one per batch-size bucket (opt-in:
-``PD_RUNTIME_CUDA_GRAPHS=1``). Off by default until a GPU run passes test_cuda_graphs.py. The
-first GPU run, on an H100, decoded 4.6-8.5x faster than eager, but every step after a bucket's
-first was wrong: stale rotary rows, fixed since and checked on CPU (see docs/benchmarks.md).
+"""Decode steps replayed from CUDA graphs, one per batch-size bucket: the CUDA default for GQA
+models (``PD_RUNTIME_CUDA_GRAPHS=0`` turns them off). The first GPU run, on an H100, decoded
+4.6-8.5x faster than eager, but every step after a bucket's first was wrong (stale rotary rows);
+the second, after the fix, passed test_cuda_graphs.py: graphs == eager == transformers over
+bucket changes (see docs/benchmarks.md).
 
 A decode step of B sequences launches a few hundred small kernels whose CPU-side launch cost
 exceeds their GPU time at small B. Captured once per bucket (1, 2, 4, ... 64 sequences), a step
@@ -33,6 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from . import cuda_attn
 from .paged import BatchMeta
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def graphs_requested() -> bool:
-    return os.environ.get("PD_RUNTIME_CUDA_GRAPHS", "0") == "1"
+    return os.environ.get("PD_RUNTIME_CUDA_GRAPHS", "1") != "0"
 
 
 def cuda_graph_factory(device: torch.device) -> Callable[[Callable[[], torch.Tensor]], tuple]:
@@ -73,7 +75,7 @@ class DecodeGraphs:
         self.runner, self.pool, self.max_pages = runner, pool, max_pages
         dev = runner.device
         self.capture = graph_factory or cuda_graph_factory(dev)
-        self.scratch_page = pool.alloc(1)[0]
+        self.scratch_page = pool.take_scratch()
         n = BUCKETS[-1]
         i32 = dict(dtype=torch.int32, device=dev)
         self.ids = torch.zeros(n, dtype=torch.long, device=dev)
@@ -151,11 +153,16 @@ class DecodeGraphs:
             buf.copy_(value.to(buf.dtype), non_blocking=True)
         if bucket not in self.graphs:
             try:
-                self.graphs[bucket] = self.capture(self._step_fn(bucket))
+                captured = self.capture(self._step_fn(bucket))
             except Exception as e:  # a host sync in the model, an unsupported op, ...
                 log.warning("CUDA graph capture failed, decoding eagerly: %s", e)
                 self.failed = True
                 return None
+            if not cuda_attn.kernels_ok():  # the capture fell back to gather + SDPA
+                log.warning("CUDA graphs need the Triton attention; decoding eagerly")
+                self.failed = True
+                return None
+            self.graphs[bucket] = captured
         replay, out = self.graphs[bucket]
         replay()
         return out[:B].clone()

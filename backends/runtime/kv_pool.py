@@ -37,11 +37,24 @@ class KVPool:
         self._free: deque[int] = deque(range(self.num_pages))
         self._allocated: set[int] = set()
         self._lock = threading.Lock()
+        self.num_scratch = 0  # pages the runtime took for itself (take_scratch)
 
     @property
     def num_free(self) -> int:
         with self._lock:
             return len(self._free)
+
+    @property
+    def pages_in_use(self) -> int:
+        """Pages that hold some sequence's KV (allocated, less the runtime's scratch)."""
+        return self.num_pages - self.num_free - self.num_scratch
+
+    def take_scratch(self) -> int:
+        """One page for the runtime itself, for good (CUDA graphs write their padding rows'
+        KV there): never a sequence's, and not counted in ``pages_in_use``."""
+        page = self.alloc(1)[0]
+        self.num_scratch += 1
+        return page
 
     def pages_needed(self, num_tokens: int) -> int:
         if num_tokens < 0:

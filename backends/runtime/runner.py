@@ -43,13 +43,15 @@ class ModelRunner:
         self.kv_dtype = dtype  # the pool's dtype: the model's, or fp8 (see set_kv_cache)
         self.kv_scale_log2: tuple[int, ...] = ()  # fp8: per (layer, component) scale exponents
         self.device = torch.device(device)
-        # decode steps from CUDA graphs (PD_RUNTIME_CUDA_GRAPHS=1; GQA models on CUDA with the
-        # Triton attention); tests may set use_graphs / graph_factory to run them on CPU
+        # decode steps from CUDA graphs (unless PD_RUNTIME_CUDA_GRAPHS=0; GQA models on CUDA
+        # with the Triton attention); tests may set use_graphs / graph_factory to run them on CPU
         self.use_graphs = (
             graphs_requested()
             and self.device.type == "cuda"
             and config.attn == "gqa"
             and type(self) is ModelRunner  # not a tensor-parallel rank
+            # the graphs' step buffers serve the Triton kernel only, not gather + SDPA
+            and model.kernels.attention in ("auto", "triton")
         )
         self.graph_factory = None
         self._graphs: dict[int, DecodeGraphs | None] = {}

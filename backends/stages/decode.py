@@ -171,7 +171,7 @@ class DecodeWorker(DecodeControl, DecodeFailover):
     @property
     def pages_in_use(self) -> int:
         """Pages allocated in the target pool plus the draft pool (when there is one)."""
-        return sum(p.num_pages - p.num_free for p in self.pools.values())
+        return sum(p.pages_in_use for p in self.pools.values())
 
     def stats(self) -> dict:
         snap = self.receiver.stats()

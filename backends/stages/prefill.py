@@ -174,7 +174,7 @@ class PrefillWorker:
     @property
     def pages_in_use(self) -> int:
         """Pages allocated in the target pool plus the draft pool (when there is one)."""
-        return sum(p.num_pages - p.num_free for _, p in self._pools())
+        return sum(p.pages_in_use for _, p in self._pools())
 
     def stats(self) -> dict:
         snap = self.sender.stats()

@@ -191,7 +191,7 @@ def runtime_cases() -> dict[str, dict]:
     -> name -> {"error": ..., "seconds": ...}."""
     import runtime_models as rm
 
-    from backends.runtime import cuda_attn
+    from backends.runtime import attention, cuda_attn
     from backends.runtime.engine import LLMEngine
     from backends.runtime.runner import ModelRunner, SeqInput
     from backends.runtime.sampler import SamplingParams
@@ -303,43 +303,64 @@ def graph_cases(calls: list) -> dict[str, dict]:
     for CUDA graphs (capture = run once, replay = run again into the same output): the static
     buffers, the bucket padding (3 sequences in the bucket of 4, the 4th on the scratch page)
     and the Triton attention on them give transformers' greedy tokens; with the fused C++ ops
-    and with torch's (``-torch-ops``: the rotary rows looked up per forward, as on CUDA)."""
+    and with torch's (``-torch-ops``: the rotary rows looked up per forward, as on CUDA).
+    ``graphs-llama-fallback``: the Triton kernels fail during the first capture (attention falls
+    back to gather + SDPA, which the graphs' buffers do not serve): the runner decodes eagerly."""
+    results = {}
+    for kind, fused in [(k, f) for k in GRAPH_KINDS for f in ("auto", "torch")]:
+        name = f"graphs-{kind}" + ("-torch-ops" if fused == "torch" else "")
+        results[name] = _graph_case(kind, fused, fallback=False)
+    results["graphs-llama-fallback"] = _graph_case("llama", "auto", fallback=True)
+    return results
+
+
+def _graph_case(kind: str, fused: str, fallback: bool) -> dict:
     import runtime_models as rm
 
+    from backends.runtime import attention, cuda_attn
     from backends.runtime.engine import LLMEngine
     from backends.runtime.runner import ModelRunner
     from backends.runtime.sampler import SamplingParams
 
+    captured = []
+
     def fake_capture(fn):
+        if fallback:
+            cuda_attn._module = False  # as a failed kernel compile leaves it
         out = fn()
+        captured.append(len(out))
         return (lambda: out.copy_(fn())), out
 
-    results = {}
-    for kind, fused in [(k, f) for k in GRAPH_KINDS for f in ("auto", "torch")]:
-        t0, err = time.perf_counter(), None
-        try:
-            os.environ["PD_RUNTIME_FUSED"] = fused
-            runner = ModelRunner.load(rm.checkpoint(kind))
-            runner.use_graphs, runner.graph_factory = True, fake_capture
-            prompts = [rm.random_prompt(n, seed=n) for n in (5, 19, 9)]
-            pool = runner.make_pool(24, 4)
-            pool.shuffle_free_list(seed=2)
-            engine = LLMEngine(runner, pool, max_batch=4)
-            steps = (8, 3, 8)  # one sequence ends early: buckets 4, then 2
-            reqs = [(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts, steps, strict=True)]
-            seqs = engine.generate(reqs)
-            graphs = runner._graphs[id(pool)]
-            assert sorted(graphs.graphs) == [2, 4], sorted(graphs.graphs)  # 3 seqs, then 2 left
-            for p, n, seq in zip(prompts, steps, seqs, strict=True):
-                want = rm.hf_greedy(kind, p, n)
-                assert seq.output_ids == want, (kind, seq.output_ids, want)
-            assert pool.num_free == 24 - 1  # the scratch page, held by the graphs
-        except AssertionError as e:
-            err = str(e) or repr(e)
-        finally:
-            os.environ.pop("PD_RUNTIME_FUSED")
-        results[f"graphs-{kind}" + ("-torch-ops" if fused == "torch" else "")] = _verdict(err, t0)
-    return results
+    t0, err, module = time.perf_counter(), None, cuda_attn._module
+    cpu_decode = attention.cpu_decode_attention
+    if fallback:  # as on CUDA, where the CPU kernel declines: gather + SDPA runs, no error
+        attention.cpu_decode_attention = lambda *a, **k: None
+    try:
+        os.environ["PD_RUNTIME_FUSED"] = fused
+        runner = ModelRunner.load(rm.checkpoint(kind))
+        runner.use_graphs, runner.graph_factory = True, fake_capture
+        prompts = [rm.random_prompt(n, seed=n) for n in (5, 19, 9)]
+        pool = runner.make_pool(24, 4)
+        pool.shuffle_free_list(seed=2)
+        engine = LLMEngine(runner, pool, max_batch=4)
+        steps = (8, 3, 8)  # one sequence ends early: buckets 4, then 2
+        reqs = [(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts, steps, strict=True)]
+        seqs = engine.generate(reqs)
+        graphs = runner._graphs[id(pool)]
+        want_buckets = [] if fallback else [2, 4]  # 3 seqs, then 2 left
+        assert sorted(graphs.graphs) == want_buckets, sorted(graphs.graphs)
+        assert graphs.failed == fallback and captured, (graphs.failed, captured)
+        for p, n, seq in zip(prompts, steps, seqs, strict=True):
+            want = rm.hf_greedy(kind, p, n)
+            assert seq.output_ids == want, (kind, seq.output_ids, want)
+        # the scratch page, held by the graphs, is not in use by any sequence
+        assert pool.num_free == 24 - 1 and pool.pages_in_use == 0, pool.pages_in_use
+    except AssertionError as e:
+        err = str(e) or repr(e)
+    finally:
+        os.environ.pop("PD_RUNTIME_FUSED")
+        cuda_attn._module, attention.cpu_decode_attention = module, cpu_decode
+    return _verdict(err, t0)
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from backends.runtime.engine import LLMEngine
 from backends.runtime.runner import ModelRunner
 from backends.runtime.sampler import SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def generate(runner, prompts, steps, graphs: bool):
@@ -26,6 +26,7 @@ def generate(runner, prompts, steps, graphs: bool):
     return out, runner._graphs.get(id(pool))
 
 
+@cuda
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
 def test_graphs_greedy_equals_eager_and_transformers(kind):
     runner = ModelRunner.load(rm.checkpoint(kind), device="cuda")
@@ -38,9 +39,18 @@ def test_graphs_greedy_equals_eager_and_transformers(kind):
     assert graphed == [rm.hf_greedy(kind, p, n) for p, n in zip(prompts, steps, strict=True)]
 
 
-def test_graphs_only_for_gqa_models(monkeypatch):
-    """PD_RUNTIME_CUDA_GRAPHS=1 turns them on for GQA models; DeepSeek's MoE counts tokens per
-    expert on the host (not capturable), so MLA/MoE models stay eager."""
-    monkeypatch.setenv("PD_RUNTIME_CUDA_GRAPHS", "1")
+@cuda
+def test_graphs_by_default_for_gqa_models_with_the_triton_attention(monkeypatch):
+    """On by default for GQA models; DeepSeek's MoE counts tokens per expert on the host (not
+    capturable), so MLA/MoE models stay eager, and so do gather + SDPA (which the graphs' step
+    buffers do not serve) and PD_RUNTIME_CUDA_GRAPHS=0."""
+    monkeypatch.delenv("PD_RUNTIME_CUDA_GRAPHS", raising=False)
+    monkeypatch.delenv("PD_RUNTIME_ATTENTION", raising=False)
     assert ModelRunner.load(rm.checkpoint("llama"), device="cuda").use_graphs
     assert not ModelRunner.load(rm.checkpoint("deepseek_v3"), device="cuda").use_graphs
+    monkeypatch.setenv("PD_RUNTIME_ATTENTION", "sdpa")
+    assert not ModelRunner.load(rm.checkpoint("llama"), device="cuda").use_graphs
+    monkeypatch.setenv("PD_RUNTIME_ATTENTION", "auto")
+    monkeypatch.setenv("PD_RUNTIME_CUDA_GRAPHS", "0")
+    assert not ModelRunner.load(rm.checkpoint("llama"), device="cuda").use_graphs
+

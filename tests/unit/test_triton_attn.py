@@ -43,6 +43,7 @@ def results():
         *cases.suite(),
         *(f"runtime-{k}" for k in cases.RUNTIME_KINDS),
         *(f"graphs-{k}{ops}" for k in cases.GRAPH_KINDS for ops in ("", "-torch-ops")),
+        "graphs-llama-fallback",
         *(f"fp8-runtime-{k}" for k in cases.FP8_KINDS),
     ],
 )
