@@ -191,7 +191,7 @@ def runtime_cases() -> dict[str, dict]:
     -> name -> {"error": ..., "seconds": ...}."""
     import runtime_models as rm
 
-    from backends.runtime import attention, cuda_attn
+    from backends.runtime import cuda_attn
     from backends.runtime.engine import LLMEngine
     from backends.runtime.runner import ModelRunner, SeqInput
     from backends.runtime.sampler import SamplingParams
