@@ -30,9 +30,12 @@ Three settings, read from the environment when a model loads (``KernelSettings.f
   reduced eight at a time (csrc/cpu_linear.cpp), small-row / packed in the same run, three
   runs each, this commit (before): 8 rows 0.74-0.75 (0.79-0.97); 12 rows 0.92-1.04
   (0.93-1.07): the crossover stayed.
-  bfloat16 weights on a CPU with bf16 GEMM instructions (``not slow_bf16_gemm()``) run the
-  small-row kernel up to ``BF16_GEMM_FROM_ROWS - 1`` rows only: torch's oneDNN GEMM is faster
-  from there.
+  bfloat16 weights on a CPU with bf16 GEMM instructions (``not slow_bf16_gemm()``) keep
+  oneDNN's pre-packed copy too (AMX's blocked layout, not repacked per call), which runs from
+  ``BF16_GEMM_FROM_ROWS`` rows on: SmolLM2's 30 layers of projections, ms, small-row kernel or
+  ``F.linear`` (what ran before) / packed: 1 row 6.4 / 6.5; 2 rows 6.6 / 6.9; 4 rows 10.7 / 6.5;
+  8 rows 11.0 / 6.5; 32 rows 12.4 / 8.1; 128 rows 19.8 / 14.9; 4096 rows 259 / 252 (the
+  Emerald Rapids host, 2 cores).
   A model built with ``KernelSettings(half_weights=True)`` (an EAGLE head; not an environment
   setting) keeps float32 linear weights in bfloat16 where the small-row kernel runs, with
   float32 activations: a head call streams half the bytes (2.3 -> 1.6 ms on SmolLM2's head).
@@ -152,23 +155,28 @@ def slow_bf16_gemm() -> bool:
 
 
 PACKED_FROM_ROWS = 9  # AVX-512 hosts: oneDNN's packed GEMM from this many rows (crossover: 8-16)
-# bfloat16 weights on a CPU with bf16 GEMM instructions (AVX512-BF16 / AMX): torch's F.linear
-# from this many rows (bench_linear.py --dtype bfloat16 on the AMX host, ms, small-row kernel /
-# F.linear: 2 rows 13.5 / 16.9; 4 rows 13.8 / 15.6; 5 rows 19.7 / 16.5; 8 rows 17.8 / 15.6;
-# 32 rows 81.6 / 26.7; 64 rows 130.6 / 33.8)
-BF16_GEMM_FROM_ROWS = 5
+# bfloat16 weights on a CPU with bf16 GEMM instructions (AVX512-BF16 / AMX): oneDNN's packed
+# copy from this many rows (see the module docstring; before it, F.linear from 5 rows:
+# bench_linear.py --dtype bfloat16 on the AMX host, ms, small-row kernel / F.linear: 2 rows
+# 13.5 / 16.9; 4 rows 13.8 / 15.6; 5 rows 19.7 / 16.5; 32 rows 81.6 / 26.7)
+BF16_GEMM_FROM_ROWS = 3
 
 
 def packed_weight(weight: torch.Tensor, settings: KernelSettings) -> torch.Tensor | None:
     """oneDNN's pre-packed copy of ``weight`` where ``auto`` runs it (float32 on a CPU with
-    AVX-512, where it is the fastest GEMM from ``PACKED_FROM_ROWS`` rows), else None."""
-    if settings.linear != "auto" or weight.device.type != "cpu" or weight.dtype != torch.float32:
+    AVX-512, where it is the fastest GEMM from ``PACKED_FROM_ROWS`` rows; bfloat16 on a CPU with
+    bf16 GEMM instructions, from ``BF16_GEMM_FROM_ROWS``), else None."""
+    if settings.linear != "auto" or weight.device.type != "cpu" or settings.half_weights:
         return None
     if not torch.backends.mkldnn.is_available():
         return None
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+    if weight.dtype == torch.bfloat16:
+        ok = not slow_bf16_gemm()
+    else:
+        ok = weight.dtype == torch.float32 and torch.backends.cpu.get_cpu_capability() in (
+            "AVX512", "AMX"
+        )
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if ok else None
 
 
 class Linear:
@@ -197,7 +205,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.small is not None and x.dim() == 2 and x.shape[0] <= self.small_rows:
             return self.small(x, self.weight, self.bias)
-        if self.packed is not None and x.dim() == 2:
+        if self.packed is not None and x.dim() == 2 and x.dtype == self.weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.widen or x.dtype != self.weight.dtype:
             bias = None if self.bias is None else self.bias.float()

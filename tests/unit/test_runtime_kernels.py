@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from backends.runtime.cpu_kernels import cpu_ops, paged_decode_op
 from backends.runtime.engine import LLMEngine
-from backends.runtime.kernels import SMALL_ROWS, KernelSettings, Linear
+from backends.runtime.kernels import SMALL_ROWS, KernelSettings, Linear, slow_bf16_gemm
 from backends.runtime.runner import ModelRunner
 from backends.runtime.sampler import SamplingParams
 
@@ -70,7 +70,11 @@ def test_linear_setting_and_fallbacks():
     assert double.small is None and double(torch.ones(2, 8).double()).shape == (2, 16)
     assert Linear(w.half(), None, KernelSettings()).small is not None
     assert Linear(w, None, KernelSettings()).small is not None
-    assert Linear(w.bfloat16(), None, KernelSettings()).small is not None
+    bf16 = Linear(w.bfloat16(), None, KernelSettings())
+    assert bf16.small is not None
+    # oneDNN's packed copy where the CPU has bf16 GEMM instructions (AMX), from 3 rows
+    assert (bf16.packed is not None) == (not slow_bf16_gemm())
+    assert Linear(w.bfloat16(), None, KernelSettings(linear="mkl")).packed is None
     with pytest.raises(ValueError, match="PD_RUNTIME_LINEAR"):
         KernelSettings(linear="fast")
 
