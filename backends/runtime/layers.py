@@ -33,10 +33,11 @@ class RMSNorm:
         return s, self(s)
 
 
-# the C++ silu_mul below this many rows (a decode step: no temporaries, 1.5-2x torch's two ops
-# at one row); torch's vectorised ops from it on (2.2-2.4x faster in bfloat16 at 128-512 rows on
-# the CI machine, about even in float32)
-FUSED_SILU_MAX_ROWS = 8
+# bfloat16 / float16: the C++ silu_mul below this many rows (a decode step: no temporaries,
+# 1.6x torch's two ops at one row), torch's vectorised ops from it on (2.2-2.6x faster at
+# 128-4,096 rows on the CI machine). float32 keeps the C++ op at every size: torch's two ops
+# made float32 prefill 1-3 % slower (bench_vs_vllm.py, both methods)
+HALF_FUSED_MAX_ROWS = 8
 
 
 class MLP:
@@ -56,7 +57,7 @@ class MLP:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D] -> [T, D]
         gate_up = self.gate_up(x)  # [T, 2I]
-        if self.fused is not None and x.shape[0] < FUSED_SILU_MAX_ROWS:
+        if self.fused is not None and (x.dtype == torch.float32 or len(x) < HALF_FUSED_MAX_ROWS):
             return self.down(self.fused.silu_mul(gate_up.contiguous()))
         gate, up = gate_up.split(self.inter, dim=-1)  # [T, I] each
         return self.down(F.silu(gate) * up)
