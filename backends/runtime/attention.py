@@ -39,8 +39,9 @@ def attend(q, k_new, k_cache, meta, scale, kernels, v_new=None, v_cache=None, v_
     see :func:`_flash_prefill`); on CPU the in-place decode kernel and the C++ prefill
     kernel (``auto``). ``kv_scales``: (K, V) scales of an fp8 pool (MLA: one), else None."""
     ks = kv_scales or (1.0, 1.0)
-    auto = kernels.attention == "auto"
-    on_triton = kernels.attention == "triton" or (auto and not _flash_prefill(q, meta))
+    on_triton = kernels.attention == "triton" or (
+        kernels.attention == "auto" and not _flash_prefill(q, meta)
+    )
     if q.device.type in cuda_attn.DEVICE_TYPES and on_triton:
         strict = kernels.attention == "triton"
         out = cuda_attn.cuda_attention(q, k_cache, v_cache, v_dim, meta, scale, ks, strict)

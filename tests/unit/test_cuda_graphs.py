@@ -13,7 +13,7 @@ from backends.runtime.engine import LLMEngine
 from backends.runtime.runner import ModelRunner
 from backends.runtime.sampler import SamplingParams
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def generate(runner, prompts, steps, graphs: bool):
@@ -26,7 +26,6 @@ def generate(runner, prompts, steps, graphs: bool):
     return out, runner._graphs.get(id(pool))
 
 
-@cuda
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
 def test_graphs_greedy_equals_eager_and_transformers(kind):
     runner = ModelRunner.load(rm.checkpoint(kind), device="cuda")
@@ -39,7 +38,6 @@ def test_graphs_greedy_equals_eager_and_transformers(kind):
     assert graphed == [rm.hf_greedy(kind, p, n) for p, n in zip(prompts, steps, strict=True)]
 
 
-@cuda
 def test_graphs_by_default_for_gqa_models_with_the_triton_attention(monkeypatch):
     """On by default for GQA models; DeepSeek's MoE counts tokens per expert on the host (not
     capturable), so MLA/MoE models stay eager, and so do gather + SDPA (which the graphs' step
