@@ -49,6 +49,8 @@ class MLP:
         bias = torch.cat([gate_b, up_b]) if gate_b is not None and up_b is not None else None
         self.inter = gate.shape[0]
         self.gate_up = Linear(torch.cat([gate, up]), bias, kernels)  # [2I, D]
+        # many rows: the SiLU and the product in the two GEMMs' epilogues (oneDNN)
+        self.gated = self.gate_up.gated(gate, up, (gate_b, up_b), kernels)
         self.down = Linear(
             w.get(f"{prefix}.down_proj.weight"), w.opt(f"{prefix}.down_proj.bias"), kernels
         )
@@ -56,6 +58,8 @@ class MLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D] -> [T, D]
+        if self.gated and len(x) > self.gate_up.small_rows and x.dtype == self.gate_up.weight.dtype:
+            return self.down(self.gate_up.silu_mul(x))
         gate_up = self.gate_up(x)  # [T, 2I]
         if self.fused is not None and (x.dtype == torch.float32 or len(x) < HALF_FUSED_MAX_ROWS):
             return self.down(self.fused.silu_mul(gate_up.contiguous()))

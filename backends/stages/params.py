@@ -71,6 +71,8 @@ class StageParams:
     prefill_batch_tokens: int = _p(512, ("prefill",), "rooms decode registered are batched while"
                                    " their prompts fit it (each member's first token waits for"
                                    " the whole batch); capped by `max_prefill_tokens`")  # fmt: skip
+    prefill_gather_ms: float = _p(20.0, ("prefill",), "before a forward, wait this long at most"
+                                  " while a burst's rooms keep arriving, to batch them; 0 = off")
     lg_enabled: bool = _p(_LG.enabled, ("prefill",), "layer-grouped KV streaming; `false` sends"
                           " the whole KV after prefill")  # fmt: skip
     lg_min_tokens: int = _p(_LG.min_tokens, ("prefill",), "prompts shorter than this: 1 group")
@@ -160,18 +162,12 @@ class StageParams:
         " port default GRPC_PORT + 1); the router forwards each request to the one with the"
         " fewest queued prompt tokens; `serve.sh --prefill-servers` sets it",
     )
-    route_timeout_s: float = _p(
-        10.0,
-        ROUTED,
-        "how long a prefill server may take to accept a forwarded request (and to answer a"
-        " probe: 1/4 of it); past it the server is marked down and the next one is tried",
-    )
-    probe_interval_s: float = _p(
-        0.5,
-        ROUTED,
-        "the router polls each prefill server's queue metric (and probes a server marked down"
-        " for readiness) this often",
-    )
+    route_timeout_s: float = _p(10.0, ROUTED, "how long a prefill server may take to accept a"
+                                " forwarded request (and to answer a probe: 1/4 of it); past it"
+                                " the server is marked down and the next one is tried")  # fmt: skip
+    probe_interval_s: float = _p(0.5, ROUTED, "the router polls each prefill server's queue"
+                                 " metric (and probes a server marked down for readiness) this"
+                                 " often")  # fmt: skip
     local_prefill_max_tokens: int = _p(
         0,
         ("router",),
@@ -226,10 +222,11 @@ class StageParams:
                 f"parameter max_tokens_limit ({self.max_tokens_limit}) must be smaller than"
                 f" max_context ({self.max_context}): a prompt needs at least one token"
             )
-        if self.lg_fixed_group_size < 0:
-            raise ValueError("parameter lg_fixed_group_size must be >= 0 (0 = adaptive policy)")
-        if self.local_prefill_max_tokens < 0 or self.local_prefill_busy_tokens < 0:
-            raise ValueError("parameters local_prefill_* must be >= 0 (0 = off)")
+        zero_is_off = ("lg_fixed_group_size", "local_prefill_max_tokens",
+                       "local_prefill_busy_tokens", "prefill_gather_ms")  # fmt: skip
+        for name in zero_is_off:
+            if getattr(self, name) < 0:
+                raise ValueError(f"parameter {name} must be >= 0 (0 = off)")
         if self.route_timeout_s <= 0 or self.probe_interval_s <= 0:
             raise ValueError("parameters route_timeout_s and probe_interval_s must be > 0")
         self.servers()  # prefill_servers parses

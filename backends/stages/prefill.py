@@ -112,6 +112,7 @@ class PrefillWorker:
         self._jobs: dict[int, _Job] = {}  # room -> job, until on_done ran
         self._room_pages: dict[int, dict[str, list[int]]] = {}  # until the room's release
         self._ready: deque[int] = deque()  # registered rooms, in registration order
+        self._last_submit = 0.0  # time.monotonic() of the latest submit (_burst)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-compute", daemon=True)
         self._thread.start()
@@ -130,6 +131,7 @@ class PrefillWorker:
                 self.counters["overloaded"] += 1
                 raise Overloaded(f"{self.name} holds {len(self._jobs)} requests (max_queue)")
             self._jobs[req.room] = _Job(req, on_done)
+            self._last_submit = time.monotonic()
             self.counters["requests"] += 1
         try:
             self.sender.expect(req.room, len(req.prompt_ids), self._registered, self._released)
@@ -262,6 +264,8 @@ class PrefillWorker:
                     self._cond.wait(0.5)
                 if self._stop:
                     return
+                batch.gather(self._cond, self._burst, self._batch_tokens,
+                             self.params.prefill_gather_ms / 1e3)  # fmt: skip
                 rooms = batch.take(self._ready, self._ready_tokens, self._batch_tokens)
                 jobs = [self._jobs[r] for r in rooms]
                 for job in jobs:
@@ -275,6 +279,15 @@ class PrefillWorker:
                 results = [PrefillResult(r, error=err) for r in rooms]
             for res in results:
                 self._done(res.room, res)
+
+    def _burst(self, now: float) -> tuple[int, bool]:
+        """Holds ``_cond``: (ready prompt tokens, more rooms on their way: a submit within the
+        gap, or a room submitted within ``prefill_gather_ms`` that decode has not registered)."""
+        window = self.params.prefill_gather_ms / 1e3
+        arriving = now - self._last_submit < batch.GATHER_GAP_S or any(
+            j.state == JobState.WAITING and now - j.queued_at < window for j in self._jobs.values()
+        )
+        return sum(self._ready_tokens(r) or 0 for r in self._ready), arriving and not self._stop
 
     def _ready_tokens(self, room: int) -> int | None:
         """A ready room's prompt tokens (None: no longer ready). Holds ``_cond``."""
@@ -346,7 +359,8 @@ class PrefillWorker:
         if m.error is not None:
             res.first_token = None
             self._failed(res, m.error)
-        self._trace(res)
+        self.trace.write({"stage": "prefill", "worker": self.name, "room": res.room,
+                          "error": res.error, **res.timing})  # fmt: skip
         return res
 
     def _failed(self, res: PrefillResult, e: Exception) -> None:
@@ -356,16 +370,10 @@ class PrefillWorker:
         if not isinstance(e, (KeyError, RoomGone)):  # a room id in use is not ours to end
             self.sender.abort(res.room, str(e))  # the release callback frees the pages
 
-    def _trace(self, res: PrefillResult) -> None:
-        self.trace.write({"stage": "prefill", "worker": self.name, "room": res.room,
-                          "error": res.error, **res.timing})  # fmt: skip
-
     # ---- pages -------------------------------------------------------------------------------
     def _pools(self) -> list[tuple[str, KVPool]]:
-        pools = [("target", self.pool)]
-        if self.draft_pool is not None:
-            pools.append((DRAFT, self.draft_pool))
-        return pools
+        draft = [(DRAFT, self.draft_pool)] if self.draft_pool is not None else []
+        return [("target", self.pool), *draft]
 
     def _alloc_pages(self, num_tokens: int) -> dict[str, list[int]]:
         """Pages of every pool for the prompt. Pages of finished rooms come back after their

@@ -17,6 +17,7 @@ the room holds the layer's final KV).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -74,6 +75,23 @@ def take(ready: deque[int], tokens_of: Callable[[int], int | None], budget: int)
         out.append(ready.popleft())
         total += n
     return out
+
+
+GATHER_GAP_S = 1e-3  # submits closer than this are one burst
+
+
+def gather(cond: threading.Condition, burst: Callable[[float], tuple[int, bool]], budget: int,
+           window: float) -> None:  # fmt: skip
+    """Holds ``cond``. A burst's rooms become ready one by one (each submit, each registration):
+    wait while the batch has room and more are on their way (``burst(now)`` -> ready tokens,
+    arriving), at most ``window`` seconds. A lone request waits at most one gap."""
+    end = time.monotonic() + window
+    while True:
+        now = time.monotonic()
+        ready, arriving = burst(now)
+        if now >= end or ready >= budget or not arriving:
+            return
+        cond.wait(min(end - now, GATHER_GAP_S))
 
 
 def chunks(n: int, budget: int) -> list[tuple[int, int]]:

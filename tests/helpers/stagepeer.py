@@ -133,9 +133,8 @@ def _serve(conn, params_kwargs: dict, fail_role: str | None, fence_delay: float,
         _fail_writes_of(worker, fail_role)
     if fail_room is not None:
         _fail_sends_of(worker, fail_room)
-    sizes: list[int] = []
-    if batch_of:
-        _hold_batches(worker, batch_of, sizes)
+    sizes: list[int] = []  # of every batch the compute thread took
+    _hold_batches(worker, batch_of, sizes)
     log = _slow_fences(worker, fence_delay) if fence_delay else {}
     conn.send(worker.bootstrap_addr)
     while True:

@@ -1,7 +1,8 @@
 """Batched and chunked prefill in the prefill stage (own process, real Mooncake) -> decode:
 16 rooms in ONE forward each equal transformers' greedy output (what one-at-a-time prefill gives,
 tests/integration/test_stages_direct.py); one failing room of a batch fails alone; a prompt
-longer than ``max_prefill_tokens`` prefilled in chunks equals the unchunked output."""
+longer than ``max_prefill_tokens`` prefilled in chunks equals the unchunked output; a burst
+registered one room at a time is gathered into one forward."""
 
 from __future__ import annotations
 
@@ -62,6 +63,30 @@ def test_sixteen_rooms_in_one_forward_equal_their_reference_and_fail_alone():
                 want = hf_greedy("llama", ids, NEW)
                 assert first == want[0] and c.ids == want, room
             _pages_back(decode, prefill)
+    finally:
+        decode.close()
+        prefill.stop()
+
+
+def test_a_burst_that_decode_registers_one_room_at_a_time_goes_in_one_forward():
+    """As in serving, prefill holds the burst's requests before decode registers them, one room
+    at a time: the compute thread gathers the burst (``prefill_gather_ms``) instead of starting
+    the first room alone."""
+    ckpt = checkpoint("llama")
+    params = tiny_params(ckpt, num_pages=256, prefill_batch_tokens=1024, prefill_gather_ms=1000)
+    prefill = PrefillProcess(**params)
+    decode = DecodeWorker(StageParams(**params))
+    try:
+        prompts = {500 + i: random_prompt(3 + 5 * i, seed=500 + i) for i in range(12)}
+        prefill.conn.send(("submit_all", list(prompts.items())))  # every room waits for decode
+        time.sleep(0.5)
+        outs = _decode_all(decode, prefill, prompts)
+        results, sizes = prefill.conn.recv()
+        assert sizes == [12], sizes
+        for (room, ids), (first, err) in zip(prompts.items(), results, strict=True):
+            assert err is None and outs[room].done.wait(60), err
+            assert outs[room].ids == hf_greedy("llama", ids, NEW) and first == outs[room].ids[0]
+        _pages_back(decode, prefill)
     finally:
         decode.close()
         prefill.stop()
