@@ -31,7 +31,8 @@ class Fingerprint(msgspec.Struct, frozen=True):
     key_id: str
     model: str  # digest of the checkpoint (config + weights)
     model_name: str = ""  # the checkpoint's directory name, for people
-    draft: str = ""  # "" speculative decoding off, "self:N" self-draft, else the draft's digest
+    draft: str = ""  # "" speculative decoding off, "self:N" self-draft, "model <digest>", or
+    # "eagle v1 (feature F, draft vocab N) <digest>" (backends/stages/fingerprint.py)
     kv: str = ""  # KV dtype and page size, e.g. "float32/page16"
 
 

@@ -37,6 +37,10 @@ Version history:
   7 — fp8 KV: each entry's layout signature carries ``scale_log2`` (the exponent of every
       (layer, component)'s power-of-two scale; empty for unscaled dtypes), so a prefill and a
       decode whose fp8 scales differ refuse the room like any other layout mismatch.
+  8 — EAGLE heads: Complete's ``extra`` carries ``draft_feature`` (the target's feature at the
+      last prompt position, float32) for a head's first draft; the fingerprint's ``draft`` names
+      a head's kind, feature and draft vocabulary before its digest (``eagle v1 (feature
+      final_norm, draft vocab N) <digest>``; a draft model: ``model <digest>``).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ import msgspec
 
 from .identity import Fingerprint
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 Scalar = int | float | str
 SigValue = int | str | list[int]  # a layout signature's field (EntryLayout.signature)

@@ -58,11 +58,24 @@ def checkpoint_digest(path: str) -> str:
     return h.hexdigest()
 
 
+def draft_identity(path: str) -> str:
+    """A draft checkpoint's part of the fingerprint: its digest; for an EAGLE head also what
+    speculation it configures (kind, feature, draft vocabulary), so a refusal names it."""
+    from ..runtime.eagle import head_config
+
+    head = head_config(path)
+    digest = checkpoint_digest(path)
+    if head is None:
+        return f"model {digest}"
+    return (f"eagle v{head.get('version')} (feature {head.get('feature')}, draft vocab"
+            f" {head.get('draft_vocab_size')}) {digest}")  # fmt: skip
+
+
 def stage_identity(p: StageParams) -> Identity:
     """Model, draft and KV identity of the deployment these parameters describe."""
     draft = ""
     if p.spec_enabled:
-        draft = checkpoint_digest(p.draft_path) if p.draft_path else f"self:{p.draft_layers}"
+        draft = draft_identity(p.draft_path) if p.draft_path else f"self:{p.draft_layers}"
     name = os.path.basename(os.path.normpath(p.model_path))
     kv_dtype = p.dtype if p.kv_cache_dtype == "auto" else p.kv_cache_dtype
     kv = f"{kv_dtype}/page{p.page_size}" + ("/crc32c" if p.kv_checksum else "")

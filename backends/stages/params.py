@@ -71,8 +71,9 @@ class StageParams:
     prefill_batch_tokens: int = _p(512, ("prefill",), "rooms decode registered are batched while"
                                    " their prompts fit it (each member's first token waits for"
                                    " the whole batch); capped by `max_prefill_tokens`")  # fmt: skip
-    prefill_gather_ms: float = _p(20.0, ("prefill",), "before a forward, wait this long at most"
-                                  " while a burst's rooms keep arriving, to batch them; 0 = off")
+    prefill_gather_ms: float = _p(20.0, ("prefill",), "a forward waits at most this long for"
+                                  " rooms submitted as long ago that decode has not registered"
+                                  " yet, to batch a burst; 0 = off")  # fmt: skip
     lg_enabled: bool = _p(_LG.enabled, ("prefill",), "layer-grouped KV streaming; `false` sends"
                           " the whole KV after prefill")  # fmt: skip
     lg_min_tokens: int = _p(_LG.min_tokens, ("prefill",), "prompts shorter than this: 1 group")

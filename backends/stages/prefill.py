@@ -112,7 +112,6 @@ class PrefillWorker:
         self._jobs: dict[int, _Job] = {}  # room -> job, until on_done ran
         self._room_pages: dict[int, dict[str, list[int]]] = {}  # until the room's release
         self._ready: deque[int] = deque()  # registered rooms, in registration order
-        self._last_submit = 0.0  # time.monotonic() of the latest submit (_burst)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-compute", daemon=True)
         self._thread.start()
@@ -131,7 +130,6 @@ class PrefillWorker:
                 self.counters["overloaded"] += 1
                 raise Overloaded(f"{self.name} holds {len(self._jobs)} requests (max_queue)")
             self._jobs[req.room] = _Job(req, on_done)
-            self._last_submit = time.monotonic()
             self.counters["requests"] += 1
         try:
             self.sender.expect(req.room, len(req.prompt_ids), self._registered, self._released)
@@ -281,10 +279,10 @@ class PrefillWorker:
                 self._done(res.room, res)
 
     def _burst(self, now: float) -> tuple[int, bool]:
-        """Holds ``_cond``: (ready prompt tokens, more rooms on their way: a submit within the
-        gap, or a room submitted within ``prefill_gather_ms`` that decode has not registered)."""
+        """Holds ``_cond``: (ready prompt tokens, more rooms on their way: submitted within
+        ``prefill_gather_ms`` and not registered by decode yet)."""
         window = self.params.prefill_gather_ms / 1e3
-        arriving = now - self._last_submit < batch.GATHER_GAP_S or any(
+        arriving = any(
             j.state == JobState.WAITING and now - j.queued_at < window for j in self._jobs.values()
         )
         return sum(self._ready_tokens(r) or 0 for r in self._ready), arriving and not self._stop

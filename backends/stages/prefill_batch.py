@@ -77,21 +77,18 @@ def take(ready: deque[int], tokens_of: Callable[[int], int | None], budget: int)
     return out
 
 
-GATHER_GAP_S = 1e-3  # submits closer than this are one burst
-
-
 def gather(cond: threading.Condition, burst: Callable[[float], tuple[int, bool]], budget: int,
            window: float) -> None:  # fmt: skip
-    """Holds ``cond``. A burst's rooms become ready one by one (each submit, each registration):
-    wait while the batch has room and more are on their way (``burst(now)`` -> ready tokens,
-    arriving), at most ``window`` seconds. A lone request waits at most one gap."""
+    """Holds ``cond``. A burst's rooms become ready one by one, as decode registers each: wait
+    while the batch has room and more are on their way (``burst(now)`` -> ready tokens,
+    arriving), at most ``window`` seconds. A lone request does not wait."""
     end = time.monotonic() + window
     while True:
         now = time.monotonic()
         ready, arriving = burst(now)
         if now >= end or ready >= budget or not arriving:
             return
-        cond.wait(min(end - now, GATHER_GAP_S))
+        cond.wait(end - now)  # a registration notifies
 
 
 def chunks(n: int, budget: int) -> list[tuple[int, int]]:

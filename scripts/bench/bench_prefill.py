@@ -1,9 +1,10 @@
 """Prefill stage throughput: concurrent prompts batched into one forward (up to
 ``prefill_batch_tokens``) against one forward per prompt, with the KV going to a decode stage.
 
-Each run starts a prefill stage and a decode stage as separate processes (real Mooncake), has
-decode register every room at once (max_tokens 1, as the ensemble fans out), submits every room
-to prefill at once, and times until decode holds every room's KV and first token. "serial" sets
+Each run starts a prefill stage and a decode stage as separate processes (real Mooncake),
+submits every room to prefill at once, then has decode register every room (max_tokens 1), as
+the ensemble does, and times from the first submit until decode holds every room's KV and first
+token. "serial" sets
 ``prefill_batch_tokens`` to one prompt's length (one room a forward: the stage before batching);
 "batched" keeps the given budget (default: the stage default, 512). Neither chunks a prompt.
 Each run's stages first take one untimed round of the same load (fresh processes touch their
@@ -35,11 +36,10 @@ def _round(prefill: Stage, decode: Stage, rooms: range, length: int) -> dict:
     g = torch.Generator().manual_seed(rooms[0])
     ids = torch.randint(10, 40000, (len(rooms), length), generator=g).tolist()
     reqs = [{"room": room, "ids": p} for room, p in zip(rooms, ids, strict=True)]
-    addr = prefill.info["bootstrap_addr"]
-    rooms_ids = [(r["room"], r["ids"]) for r in reqs]
-    decode.send("register", {"rooms": rooms_ids, "bootstrap_addr": addr})
-    sub = prefill.call("submit", reqs)
-    got = decode.recv()
+    prefill.call("submit", reqs)  # as in serving: prefill holds the requests, then decode
+    rooms_ids = [(r["room"], r["ids"]) for r in reqs]  # registers each room
+    decode.send("register", {"rooms": rooms_ids, "bootstrap_addr": prefill.info["bootstrap_addr"]})
+    got, sub = decode.recv(), prefill.call("wait")
     bad = sub["errors"] + [r["reason"] for r in got.values() if r["status"] != "Success"]
     if bad:
         raise RuntimeError(f"{len(bad)} rooms failed: {bad[:3]}")

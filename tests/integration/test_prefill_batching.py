@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 NEW = 6
 
 
-def _decode_all(decode: DecodeWorker, prefill: PrefillProcess, prompts: dict[int, list[int]]):
+def _decode_all(decode: DecodeWorker, prefill: PrefillProcess, prompts: dict[int, list[int]],
+                gap_s: float = 0.0):  # fmt: skip
     outs = {}
     for room, ids in prompts.items():  # decode registers first, as in the ensemble
         c = Collector()
@@ -29,6 +30,7 @@ def _decode_all(decode: DecodeWorker, prefill: PrefillProcess, prompts: dict[int
                            bootstrap_addr=prefill.addr, stream=True)  # fmt: skip
         decode.submit(req, c)
         outs[room] = c
+        time.sleep(gap_s)
     return outs
 
 
@@ -79,8 +81,8 @@ def test_a_burst_that_decode_registers_one_room_at_a_time_goes_in_one_forward():
     try:
         prompts = {500 + i: random_prompt(3 + 5 * i, seed=500 + i) for i in range(12)}
         prefill.conn.send(("submit_all", list(prompts.items())))  # every room waits for decode
-        time.sleep(0.5)
-        outs = _decode_all(decode, prefill, prompts)
+        time.sleep(0.3)
+        outs = _decode_all(decode, prefill, prompts, gap_s=0.03)  # registrations trickle in
         results, sizes = prefill.conn.recv()
         assert sizes == [12], sizes
         for (room, ids), (first, err) in zip(prompts.items(), results, strict=True):

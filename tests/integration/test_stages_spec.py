@@ -236,7 +236,18 @@ MISMATCH = {  # prefill spec params, decode spec params, what decode's error nam
     "other-head": lambda: (
         {"spec_enabled": True, "draft_model_dir": trained_head(checkpoint("llama"))},
         {"spec_enabled": True, "draft_model_dir": random_head(checkpoint("llama"), 96)},
-        "prefill ",
+        "prefill eagle v1 (feature final_norm, draft vocab 96) ",
+    ),
+    # heads of two draft vocabularies: the refusal names both (protocol 8)
+    "other-vocabulary": lambda: (
+        {"spec_enabled": True, "draft_model_dir": random_head(checkpoint("llama"), 96)},
+        {"spec_enabled": True, "draft_model_dir": random_head(checkpoint("llama"), 64)},
+        "draft vocab 96) ",
+    ),
+    "head-vs-draft-model": lambda: (
+        {"spec_enabled": True, "draft_model_dir": random_head(checkpoint("llama"))},
+        {"spec_enabled": True, "draft_model_dir": checkpoint("llama")},
+        ", decode model ",
     ),
 }
 
@@ -265,6 +276,8 @@ def test_spec_configuration_mismatch_fails_clearly(case):
         error = c.events[-1].error
         assert c.ids == [] and error and "draft model differs" in error and want in error, error
         assert "configured identically in prefill and decode" in error
+        if case == "other-vocabulary":
+            assert "decode eagle v1 (feature final_norm, draft vocab 64) " in error, error
         print(f"{case}: {error}")
         _wait_free(decode, prefill)
     finally:

@@ -117,12 +117,12 @@ def _prefill_run(state: dict, reqs: list[dict]) -> list[dict]:
 
 def _prefill_submit(state: dict, reqs: list[dict]) -> dict:
     """Submit every room as serving does (computed once decode registered, batched up to
-    ``max_prefill_tokens``); wait for all. Start time, errors, batches computed."""
+    ``prefill_batch_tokens``) and answer at once; ``wait`` answers when all are done."""
     from backends.runtime.sampler import SamplingParams
     from backends.stages.request import StageRequest
 
     worker, done, errors = state["worker"], threading.Event(), []
-    batches0, left = worker.counters["batches"], [len(reqs)]
+    left = [len(reqs)]
 
     def on_done(res) -> None:
         if res.error:
@@ -131,11 +131,19 @@ def _prefill_submit(state: dict, reqs: list[dict]) -> dict:
         if not left[0]:
             done.set()
 
-    t0 = time.time()
+    t0, batches0 = time.time(), worker.counters["batches"]
     one = SamplingParams(max_tokens=1)
     for r in reqs:
         worker.submit(StageRequest(room=r["room"], prompt_ids=r["ids"], sampling=one), on_done)
+    state["pending"] = (t0, batches0, done, errors)
+    return {"t_start": t0}
+
+
+def _prefill_wait(state: dict, _arg=None) -> dict:
+    """Wait for the rooms of the last ``submit``: start time, errors, batches computed."""
+    t0, batches0, done, errors = state.pop("pending")
     done.wait(900)
+    worker = state["worker"]
     return {"t_start": t0, "errors": errors, "batches": worker.counters["batches"] - batches0}
 
 
@@ -225,7 +233,8 @@ class Stage:
         device: str = "cpu",
         extra: dict | None = None,  # more stage parameters
     ):
-        handlers = {"run": _prefill_run, "stats": _prefill_stats, "submit": _prefill_submit}
+        handlers = {"run": _prefill_run, "stats": _prefill_stats, "submit": _prefill_submit,
+                    "wait": _prefill_wait}  # fmt: skip
         make, handlers = {
             "prefill": (_prefill_make, handlers),
             "decode": (_decode_make, {"register": _decode_register}),
