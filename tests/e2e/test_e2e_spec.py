@@ -1,8 +1,8 @@
 """Speculative decoding through the real Triton ensemble: greedy output equals the target's
 greedy output (transformers), for the default model with a self-draft and for a tiny random MLA
 target (DeepSeek-V3) with a tiny random GQA draft (Llama) or an EAGLE head (its own GQA KV and
-the target's feature sent by prefill); the acceptance counters in the metrics equal those of the
-colocated speculative engine on the same prompts.
+the target's feature sent by prefill), and a tiny Llama with a trained head; the acceptance
+counters in the metrics equal those of the colocated speculative engine on the same prompts.
 
 Each test starts its own tritonserver (make_repo copy with ``spec_enabled``), one instance per
 stage, and stops it at the end.
@@ -14,8 +14,8 @@ import time
 
 import pytest
 from draft_models import hf_greedy_at, mla_target_gqa_draft
-from eagle_heads import random_head
-from runtime_models import random_prompt
+from eagle_heads import random_head, trained_head
+from runtime_models import checkpoint, random_prompt
 from triton_harness import (
     MODEL,
     assert_greedy,
@@ -94,14 +94,17 @@ def test_self_draft_default_model_equals_target_greedy(tmp_path, reference):
         stop(srv, serve, env)
 
 
-@pytest.mark.parametrize("kind", ["gqa-draft", "eagle-head"])
-def test_mla_target_equals_transformers(tmp_path, kind):
+@pytest.mark.parametrize("kind", ["gqa-draft", "eagle-head", "gqa-target-trained-head"])
+def test_tiny_target_and_draft_equal_transformers(tmp_path, kind):
     """The seed case: an MLA target whose draft KV is GQA, from a draft model or an EAGLE
-    head (random: losslessness must not depend on its quality), one prompt streamed and one
-    not."""
+    head (random: losslessness must not depend on its quality); and a GQA target (Llama) with
+    a head trained by scripts/train_eagle.py. One prompt streamed and one not."""
     target, draft = mla_target_gqa_draft()  # vocab 256 both; they agree about half the time
     if kind == "eagle-head":
         draft = random_head(target)
+    elif kind == "gqa-target-trained-head":
+        target = checkpoint("llama")
+        draft = trained_head(target)
     sets = [
         *BASE,
         f"prefill.model_dir={target}",
@@ -132,7 +135,7 @@ def test_mla_target_equals_transformers(tmp_path, kind):
         colo = colocated_stats(target, spec, prompts)
         m = _wait_metric(srv, "pd_spec_verify_steps_total", colo["pd_spec_verify_steps_total"])
         assert {k: m[k] for k in colo} == colo  # acceptance through Triton == colocated
-        if kind == "gqa-draft":  # a random head is hardly ever accepted
+        if kind != "eagle-head":  # a random head is hardly ever accepted
             assert m["pd_spec_accepted_tokens_total"] > 0
         print(f"MLA target + {kind} through Triton: {m}")
         used = wait_pages_free(srv)

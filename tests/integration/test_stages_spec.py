@@ -314,3 +314,34 @@ def test_spec_client_cancel_frees_target_and_draft_pages(kind):
     finally:
         decode.close()
         prefill.stop()
+
+
+def test_head_streams_the_first_token_before_any_kv_byte_leaves():
+    """With an EAGLE head and slow completion fences (a busy GPU stream), decode's client gets
+    prefill's first token before any write of the target's or the head's KV starts; the head
+    then drafts from the feature Complete carried, and the output equals target-only."""
+    target = checkpoint("llama")
+    params = _params(target, spec_enabled=True, draft_model_dir=random_head(target), spec_tokens=2)
+    prefill = PrefillProcess(fence_delay_s=0.5, **params)
+    decode = DecodeWorker(StageParams(**params))
+    try:
+        ids, c, arrived = random_prompt(20, seed=4), Collector(), []
+
+        def emit(ev):
+            arrived.append(time.time())
+            c(ev)
+
+        sp = SamplingParams(max_tokens=8)
+        decode.submit(StageRequest(room=31, prompt_ids=ids, sampling=sp,
+                                   bootstrap_addr=prefill.addr, stream=True), emit)  # fmt: skip
+        first, err, _ = prefill.prefill_timed(31, ids)
+        assert err is None and c.done.wait(30) and c.events[-1].error is None
+        assert c.events[0].token_ids == [first]
+        assert c.ids == hf_greedy_at(target, ids, 8)
+        writes = [t for t, _ in prefill.fence_log()["writes"]]
+        assert writes and arrived[0] < min(writes), (arrived[0], min(writes))
+        assert decode.stats()["spec_verify_steps"] > 0  # the head drafted
+        _wait_free(decode, prefill)
+    finally:
+        decode.close()
+        prefill.stop()

@@ -6,7 +6,9 @@ rate limits; tests/helpers/netns.py); the client runs inside the decode server's
 Where no namespace can be made (not root), the same servers run on 127.0.0.1 (say so: skip
 reason printed). Checks: greedy outputs (gRPC, streaming and not) equal the reference; both
 prefill servers took requests; SIGKILL of one prefill server during 32 concurrent requests
-gives zero client errors and equal outputs; restarted, it takes requests again.
+gives zero client errors and equal outputs; restarted, it takes requests again. Every server
+runs speculative decoding with an EAGLE head (random: the outputs must not depend on it), so
+failover re-sends the head's KV and the target's feature from another prefill server.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import time
 
 import netns
 import pytest
-from triton_harness import ROOT, Reference, free_port
+from eagle_heads import random_head
+from triton_harness import MODEL, ROOT, Reference, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -60,6 +63,7 @@ class Node:
         self.cmd += ["--http-port", str(ports[0]), "--grpc-port", str(ports[1])]
         self.cmd += ["--metrics-port", str(ports[2]), "--secret-file", str(tmp / "secret")]
         self.cmd += [a for s in SETS for a in ("--set", s)] + extra
+        self.cmd += ["--set", "spec_enabled=true", "--set", f"draft_model_dir={random_head(MODEL)}"]
         self.env = {**os.environ, "PD_RUN_DIR": str(self.run), "OMP_NUM_THREADS": "1"}
 
     @property
