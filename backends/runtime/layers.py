@@ -41,7 +41,8 @@ HALF_FUSED_MAX_ROWS = 8
 
 
 class MLP:
-    """down(silu(gate(x)) * up(x)), gate and up as one matmul."""
+    """down(silu(gate(x)) * up(x)): gate and up as one matmul, or on oneDNN-packed weights two
+    whose epilogues apply the SiLU and the product (``Linear.gated``)."""
 
     def __init__(self, w: WeightReader, prefix: str, kernels: KernelSettings):
         gate, up = (w.get(f"{prefix}.{n}_proj.weight") for n in ("gate", "up"))
