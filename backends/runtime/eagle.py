@@ -18,14 +18,13 @@ A head checkpoint (``scripts/train_eagle.py`` writes one) is a directory with a 
 of a one-layer ``LlamaForCausalLM`` (its ``vocab_size`` the target's) carrying an ``eagle``
 block (``version``, ``feature``, ``draft_vocab_size``, ``target_hidden_size``), and safetensors
 ``fc.weight`` [H, 2H], ``model.layers.0.*``, and ``lm_head.weight`` + ``draft_to_target`` where
-the vocabulary is reduced. :func:`head_identity` hashes config and weights (the handshake's
-head identity).
+the vocabulary is reduced. The handshake identifies a head by its ``eagle`` block and the
+digest of its config and weights (``backends/stages/fingerprint.draft_identity``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 
@@ -37,7 +36,7 @@ from .kernels import KernelSettings, Linear
 from .model import DecoderLayer
 from .rope import RotaryEmbedding
 from .runner import ModelRunner, SeqInput
-from .weights import WeightReader, load_weights, weight_files
+from .weights import WeightReader, load_weights
 
 EAGLE_KEY = "eagle"
 FEATURES = ("final_norm",)
@@ -50,15 +49,6 @@ def head_config(path: str) -> dict | None:
             return json.load(f).get(EAGLE_KEY)
     except (OSError, ValueError):
         return None
-
-
-def head_identity(path: str) -> str:
-    """A digest of the head's config and weights (what the handshake compares)."""
-    h = hashlib.blake2b(digest_size=16)
-    for f in [os.path.join(path, "config.json"), *weight_files(path)]:
-        with open(f, "rb") as fh:
-            h.update(hashlib.blake2b(fh.read(), digest_size=16).digest())
-    return h.hexdigest()
 
 
 def head_checkpoint_config(target: ModelConfig, heads: int, kv_heads: int, head_dim: int,

@@ -89,6 +89,7 @@ class PrefillWorker:
         self.draft_is_prefix = bool(self.draft) and shares_target_layers(self.draft, self.runner)
         self.policy = params.policy()
         self._batch_tokens = min(params.prefill_batch_tokens, params.max_prefill_tokens)
+        self._gather_s = params.prefill_gather_ms / 1e3  # see _burst
         cfg = params.transfer_config(instance_index)
         runners = {"target": self.runner, DRAFT: self.draft}
         self.agents = rank_agents(cfg, cfg.staging_slots, runners, dict(self._pools()))
@@ -262,8 +263,7 @@ class PrefillWorker:
                     self._cond.wait(0.5)
                 if self._stop:
                     return
-                batch.gather(self._cond, self._burst, self._batch_tokens,
-                             self.params.prefill_gather_ms / 1e3)  # fmt: skip
+                batch.gather(self._cond, self._burst, self._batch_tokens, self._gather_s)
                 rooms = batch.take(self._ready, self._ready_tokens, self._batch_tokens)
                 jobs = [self._jobs[r] for r in rooms]
                 for job in jobs:
@@ -281,9 +281,9 @@ class PrefillWorker:
     def _burst(self, now: float) -> tuple[int, bool]:
         """Holds ``_cond``: (ready prompt tokens, more rooms on their way: submitted within
         ``prefill_gather_ms`` and not registered by decode yet)."""
-        window = self.params.prefill_gather_ms / 1e3
         arriving = any(
-            j.state == JobState.WAITING and now - j.queued_at < window for j in self._jobs.values()
+            j.state == JobState.WAITING and now - j.queued_at < self._gather_s
+            for j in self._jobs.values()
         )
         return sum(self._ready_tokens(r) or 0 for r in self._ready), arriving and not self._stop
 

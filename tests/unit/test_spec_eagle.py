@@ -14,11 +14,12 @@ import spec_models as sm
 import torch
 from eagle_heads import random_head, trained_head
 
-from backends.runtime.eagle import EagleHead, head_identity
+from backends.runtime.eagle import EagleHead
 from backends.runtime.runner import SeqInput
 from backends.runtime.sequence import FinishReason
 from backends.runtime.spec import DraftSpec, load_draft
 from backends.runtime.spec_eagle import EagleSpecEngine, spec_engine
+from backends.stages.fingerprint import draft_identity
 
 PROMPTS = [rm.random_prompt(n, seed=n) for n in (1, 4, 9, 14, 6)]
 MAX_TOKENS = [20, 9, 16, 3, 12]
@@ -104,7 +105,7 @@ def test_head_identity_and_bad_heads(llama, tmp_path):
     import shutil
 
     a, b = random_head(rm.checkpoint("llama"), 64), random_head(rm.checkpoint("llama"), 64, 1)
-    assert head_identity(a) == head_identity(a) != head_identity(b)
+    assert draft_identity(a) == draft_identity(a) != draft_identity(b)
     cases = {"hidden_size": (72, "EAGLE head for hidden 72"),
              "num_hidden_layers": (2, "one decoder layer")}  # fmt: skip
     for i, (field, (value, words)) in enumerate(cases.items()):
