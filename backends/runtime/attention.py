@@ -31,6 +31,14 @@ def _linear(w: WeightReader, name: str, kernels: KernelSettings) -> Linear:
     return Linear(w.get(f"{name}.weight"), w.opt(f"{name}.bias"), kernels)
 
 
+def _project(o: Linear, x: torch.Tensor, residual, rows) -> torch.Tensor:
+    """The o projection of x [T, H * Dv] (plus residual [T, hidden] if given), of the rows
+    ``rows`` [R] only if given."""
+    if rows is not None:
+        x, residual = x[rows], None if residual is None else residual[rows]
+    return o(x) if residual is None else o.add(x, residual)
+
+
 def attend(q, k_new, k_cache, meta, scale, kernels, v_new=None, v_cache=None, v_dim=None,
            kv_scales=None):
     """Paged attention (see :func:`~backends.runtime.paged.paged_attention` for the shapes),
@@ -100,8 +108,12 @@ class GQAAttention:
         # rotary embedding + KV write as one C++ op (rotate-half style, the usual one)
         self.fused = fused_ops(q, kernels) if rope.style == "half" else None
 
-    def __call__(self, x: torch.Tensor, meta: BatchMeta, kv: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden]; kv: this layer's pool slab [2, pages, page_size, Hkv, D]."""
+    def __call__(
+        self, x: torch.Tensor, meta: BatchMeta, kv: torch.Tensor, residual=None, rows=None
+    ) -> torch.Tensor:
+        """x: [T, hidden]; kv: this layer's pool slab [2, pages, page_size, Hkv, D];
+        residual: [T, hidden] added to the output (by the o projection), or None; rows: [R]
+        the only rows of the output wanted, or None (every row's KV is written either way)."""
         T = x.shape[0]
         H, Hkv, D = self.H, self.Hkv, self.D
         qkv = self.qkv(x)  # [T, (H + 2 Hkv) D]
@@ -121,7 +133,7 @@ class GQAAttention:
             write_kv(v_cache, meta, v, vs)
         out = attend(q, k, k_cache, meta, self.scale, self.kernels, v, v_cache,
                      kv_scales=self.kv_scales)  # [T, H, D]  # fmt: skip
-        return self.o(out.reshape(T, H * D))
+        return _project(self.o, out.reshape(T, H * D), residual, rows)
 
 
 class MLAAttention:
@@ -154,8 +166,11 @@ class MLAAttention:
         self.kernels = kernels
         self.kv_scales: tuple[float] | None = None  # an fp8 pool: the latent's scale
 
-    def __call__(self, x: torch.Tensor, meta: BatchMeta, latent: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden]; latent: this layer's pool slab [pages, page_size, R + dr]."""
+    def __call__(
+        self, x: torch.Tensor, meta: BatchMeta, latent: torch.Tensor, residual=None, rows=None
+    ) -> torch.Tensor:
+        """x: [T, hidden]; latent: this layer's pool slab [pages, page_size, R + dr];
+        residual and rows as for :class:`GQAAttention`."""
         T, H, R = x.shape[0], self.H, self.R
         if self.q_lora:
             q = self.q_b(self.q_a_norm(self.q_a(x)))
@@ -177,4 +192,4 @@ class MLAAttention:
         out_lat = attend(q_full, new, cache, meta, self.scale, self.kernels, v_dim=R,
                          kv_scales=self.kv_scales)  # fmt: skip
         out = torch.einsum("thr,hvr->thv", out_lat, self.w_uv)  # [T, H, dv]
-        return self.o(out.reshape(T, H * self.dv))
+        return _project(self.o, out.reshape(T, H * self.dv), residual, rows)

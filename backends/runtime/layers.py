@@ -41,8 +41,8 @@ HALF_FUSED_MAX_ROWS = 8
 
 
 class MLP:
-    """down(silu(gate(x)) * up(x)): gate and up as one matmul, or on oneDNN-packed weights two
-    whose epilogues apply the SiLU and the product (``Linear.gated``)."""
+    """down(silu(gate(x)) * up(x)): gate and up as one matmul, or on oneDNN-packed bfloat16
+    weights two whose epilogues apply the SiLU and the product (``Linear.gated``)."""
 
     def __init__(self, w: WeightReader, prefix: str, kernels: KernelSettings):
         gate, up = (w.get(f"{prefix}.{n}_proj.weight") for n in ("gate", "up"))
@@ -57,15 +57,20 @@ class MLP:
         )
         self.fused = fused_ops(gate, kernels)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, D] -> [T, D]
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, D] -> [T, D]; residual: [T, D] added to it (by the down GEMM), or None
+        h = self.act(x)
+        return self.down(h) if residual is None else self.down.add(h, residual)
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate(x)) * up(x): [T, D] -> [T, I]."""
         if self.gated and len(x) > self.gate_up.small_rows and x.dtype == self.gate_up.weight.dtype:
-            return self.down(self.gate_up.silu_mul(x))
+            return self.gate_up.silu_mul(x)
         gate_up = self.gate_up(x)  # [T, 2I]
         if self.fused is not None and (x.dtype == torch.float32 or len(x) < HALF_FUSED_MAX_ROWS):
-            return self.down(self.fused.silu_mul(gate_up.contiguous()))
+            return self.fused.silu_mul(gate_up.contiguous())
         gate, up = gate_up.split(self.inter, dim=-1)  # [T, I] each
-        return self.down(F.silu(gate) * up)
+        return F.silu(gate) * up
 
 
 class MoE:
@@ -123,8 +128,8 @@ class MoE:
         keep = keep[:, :, None].expand(-1, -1, cfg.n_routed_experts // cfg.n_group)
         return scores.masked_fill(~keep.reshape(scores.shape), fill)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, D] -> [T, D]
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, D] -> [T, D]; residual: [T, D] added to it, or None
         weights, idx = self.route(x)  # [T, k]
         out = torch.zeros_like(x)
         flat_idx = idx.reshape(-1)  # [T * k]
@@ -144,4 +149,4 @@ class MoE:
             out.index_add_(0, tok, ye.to(x.dtype))
         if self.shared is not None:
             out = out + self.shared(x)
-        return out
+        return out if residual is None else residual + out

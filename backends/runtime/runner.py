@@ -201,15 +201,16 @@ class ModelRunner:
         groups = self._check_groups(groups)
         meta = self._meta(pool, [(s.start_pos, len(s.token_ids), s.pages) for s in seqs])
         h = self.model.embed(self._ids([t for s in seqs for t in s.token_ids]))  # [T, hidden]
-        for a, b in groups:
-            h = self.model.run_layers(h, meta, pool.tensor, a, b)
+        ends = torch.tensor(meta.lengths, device=self.device).cumsum(0) - 1  # [B]
+        for a, b in groups:  # without features only the last positions leave the last layer
+            last = ends if not features and b == groups[-1][1] else None
+            h = self.model.run_layers(h, meta, pool.tensor, a, b, last)
             if on_group is not None:
                 on_group(a, b)
-        ends = torch.tensor(meta.lengths, device=self.device).cumsum(0) - 1  # [B]
         if features:
             normed = self.model.norm(h)
             return self.model.normed_logits(normed[ends]), list(normed.split(meta.lengths))
-        return self.model.logits(h[ends])  # [B, vocab]
+        return self.model.logits(h)  # [B, vocab]
 
     @torch.inference_mode()
     def forward(

@@ -33,6 +33,9 @@ class RowParallel:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(self.linear(x))  # [T, hidden]
 
+    def fuses_add(self, x: torch.Tensor) -> bool:
+        return False  # the residual adds after the sum over the ranks
+
 
 class Reduced:
     """An MLP or MoE over an intermediate slice: its partial output summed over the ranks."""
@@ -40,8 +43,9 @@ class Reduced:
     def __init__(self, mlp, group: TPGroup):
         self.mlp, self.group = mlp, group
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(self.mlp(x))  # [T, hidden]
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.group.all_reduce(self.mlp(x))  # [T, hidden]
+        return out if residual is None else residual + out
 
 
 class TPCausalLM(CausalLM):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from backends.runtime.cpu_kernels import cpu_ops, paged_decode_op
 from backends.runtime.engine import LLMEngine
 from backends.runtime.kernels import SMALL_ROWS, KernelSettings, Linear, slow_bf16_gemm
-from backends.runtime.runner import ModelRunner
+from backends.runtime.runner import ModelRunner, SeqInput
 from backends.runtime.sampler import SamplingParams
 
 
@@ -40,6 +40,21 @@ def test_linear_matches_f_linear(rows, bias, dtype):
     wide = torch.randn(rows, 2 * 43, generator=g).to(dtype)
     wide[:, :43] = x  # rows 86 floats apart (a slice of a wider tensor): read in place
     torch.testing.assert_close(lin(wide[:, :43]), got)
+
+
+@pytest.mark.parametrize("rows", [1, SMALL_ROWS + 1, 512])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_add_gives_the_bits_of_the_separate_add(rows, dtype):
+    """``Linear.add``: float32 on oneDNN-packed weights adds the residual in the GEMM's
+    epilogue (a decoder layer's o and down projections); it must equal ``residual + linear(x)``
+    bit for bit, as every other case computes it."""
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(96, 80, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
+    x, residual = (torch.randn(rows, n, generator=g).to(dtype) for n in (80, 96))
+    lin = Linear(w, b, KernelSettings())
+    packed_float32 = lin.packed is not None and dtype == torch.float32 and rows > lin.small_rows
+    assert lin.fuses_add(x) == packed_float32
+    assert torch.equal(lin.add(x, residual), residual + lin(x))
 
 
 @pytest.mark.parametrize("rows", [1, 3, SMALL_ROWS, SMALL_ROWS + 1])
@@ -166,6 +181,28 @@ def test_batched_prefill_equals_one_by_one(llama, budget):
     engine = LLMEngine(llama, pool, max_batch=8, prefill_tokens=budget)
     seqs = engine.generate([(p, params) for p in prompts])
     assert [s.output_ids for s in seqs] == solo and pool.num_free == 40
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_runs_the_last_layer_on_the_last_rows_with_the_same_bits(kind, dtype):
+    """prefill_batch needs only each sequence's last position from the last layer, so that
+    layer's o projection and MLP run on those rows alone (padded past SMALL_ROWS). Its logits
+    must equal the whole forward's (every row through every layer) bit for bit: in a batch
+    past the padding (GQA, and MLA with MoE) and in one under it."""
+    runner = ModelRunner.load(rm.checkpoint(kind), dtype=dtype)
+    for lengths in [(40, 33, 27), (5, 9)]:
+        prompts = [rm.random_prompt(n, seed=n) for n in lengths]
+        got = []
+        for whole in (False, True):
+            pool = runner.make_pool(64, 4)
+            seqs = [SeqInput(p, 0, pool.alloc(-(-len(p) // 4))) for p in prompts]
+            if whole:
+                got.append(torch.cat(runner.forward(pool, seqs, last_only=True)))
+            else:
+                got.append(runner.prefill_batch(pool, seqs))
+        assert got[0].shape == (len(prompts), runner.config.vocab_size)
+        assert torch.equal(got[0], got[1])
 
 
 def test_prefill_chunks_follow_the_token_budget(llama):

@@ -147,10 +147,11 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 
 // silu(g) = g / (1 + e^-g), from e = e^-|g| <= 1 (so the exponential never overflows):
 // g / (1 + e) for g >= 0, g * e / (1 + e) below.
-PD_INLINE v8 silu8(v8 g) {
-  const i8 neg = g < 0.f;
-  const v8 e = exp8(neg ? g : -g);
-  const v8 num = neg ? g * e : g;
+template <typename V>
+PD_INLINE V siluv(V g) {
+  const auto neg = g < 0.f;
+  const V e = expv(neg ? g : -g);
+  const V num = neg ? g * e : g;
   return num / (1.f + e);
 }
 
@@ -177,22 +178,36 @@ PD_INLINE void store8_as(T* p, v8 x) {
   }
 }
 
+// Row r's outputs [i, I): o = silu(g) * u.
+template <typename T>
+PD_INLINE void silu_mul_row(const T* g, const T* u, T* o, int64_t i, int64_t I) {
+  for (; i + 8 <= I; i += 8) {
+    const v8 s = round8<T>(siluv(load8_as_float(g + i)));
+    store8_as(o + i, s * load8_as_float(u + i));
+  }
+  for (; i < I; ++i) {
+    const float gf = static_cast<float>(g[i]);
+    o[i] = static_cast<T>(rnd<T>(gf / (1.f + std::exp(-gf))) * static_cast<float>(u[i]));
+  }
+}
+
 template <typename T>
 PD_MULTIVERSION void silu_mul_rows(const T* __restrict__ gu, T* __restrict__ out, int64_t begin,
                                    int64_t end, int64_t I) {
+  for (int64_t r = begin; r < end; ++r)
+    silu_mul_row(gu + r * 2 * I, gu + r * 2 * I + I, out + r * I, 0, I);
+}
+
+// float32 on 16-float vectors (wide_cpu()), twice as fast: the same operations a lane, so the
+// same bits.
+PD_WIDE void silu_mul_rows_wide(const float* __restrict__ gu, float* __restrict__ out,
+                                int64_t begin, int64_t end, int64_t I) {
   for (int64_t r = begin; r < end; ++r) {
-    const T* g = gu + r * 2 * I;
-    const T* u = g + I;
-    T* o = out + r * I;
+    const float *g = gu + r * 2 * I, *u = g + I;
+    float* o = out + r * I;
     int64_t i = 0;
-    for (; i + 8 <= I; i += 8) {
-      const v8 s = round8<T>(silu8(load8_as_float(g + i)));
-      store8_as(o + i, s * load8_as_float(u + i));
-    }
-    for (; i < I; ++i) {
-      const float gf = static_cast<float>(g[i]);
-      o[i] = static_cast<T>(rnd<T>(gf / (1.f + std::exp(-gf))) * static_cast<float>(u[i]));
-    }
+    for (; i + 16 <= I; i += 16) storev(o + i, siluv(loadv<v16>(g + i)) * loadv<v16>(u + i));
+    silu_mul_row(g, u, o, i, I);
   }
 }
 
@@ -204,6 +219,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   dispatch_float_types(gate_up.scalar_type(), "silu_mul", [&](auto tag) {
     using S = decltype(tag);
     at::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
+      if constexpr (std::is_same_v<S, float>) {
+        if (wide_cpu())
+          return silu_mul_rows_wide(gate_up.data_ptr<float>(), out.data_ptr<float>(), begin,
+                                    end, I);
+      }
       silu_mul_rows<S>(gate_up.data_ptr<S>(), out.data_ptr<S>(), begin, end, I);
     });
   });
