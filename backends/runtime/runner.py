@@ -227,12 +227,14 @@ class ModelRunner:
         meta = self._meta(pool, [(s.start_pos, len(s.token_ids), s.pages) for s in seqs])
         ids = self._ids([t for s in seqs for t in s.token_ids])
         h = self.model.embed(ids)  # [T, hidden]
+        ends = torch.tensor(meta.lengths, device=self.device).cumsum(0) - 1  # [B]
+        if last_only and not features:  # only the last positions leave the last layer
+            h = self.model.run_layers(h, meta, pool.tensor, 0, self.config.num_layers, ends)
+            return list(self.model.logits(h).split(1))  # B x [1, vocab]
         h = self.model.run_layers(h, meta, pool.tensor, 0, self.config.num_layers)
-        normed = self.model.norm(h) if features or not last_only else None  # [T, hidden]
-        if last_only:  # the final norm of the last rows only, unless every row's is asked for
-            ends = torch.tensor(meta.lengths, device=self.device).cumsum(0) - 1  # [B]
-            last = self.model.norm(h[ends]) if normed is None else normed[ends]
-            logits = list(self.model.normed_logits(last).split(1))  # B x [1, vocab]
+        normed = self.model.norm(h)  # [T, hidden]
+        if last_only:
+            logits = list(self.model.normed_logits(normed[ends]).split(1))  # B x [1, vocab]
         else:
             logits = list(self.model.normed_logits(normed).split(meta.lengths))  # [T, vocab]
         return (logits, list(normed.split(meta.lengths))) if features else logits

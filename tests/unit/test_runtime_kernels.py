@@ -55,6 +55,7 @@ def test_residual_add_gives_the_bits_of_the_separate_add(rows, dtype):
     packed_float32 = lin.packed is not None and dtype == torch.float32 and rows > lin.small_rows
     assert lin.fuses_add(x) == packed_float32
     assert torch.equal(lin.add(x, residual), residual + lin(x))
+    assert not Linear(w, b, KernelSettings(fused="torch")).fuses_add(x)  # torch's ops only
 
 
 @pytest.mark.parametrize("rows", [1, 3, SMALL_ROWS, SMALL_ROWS + 1])
@@ -186,23 +187,25 @@ def test_batched_prefill_equals_one_by_one(llama, budget):
 @pytest.mark.parametrize("kind", ["llama", "deepseek_v2"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prefill_runs_the_last_layer_on_the_last_rows_with_the_same_bits(kind, dtype):
-    """prefill_batch needs only each sequence's last position from the last layer, so that
-    layer's o projection and MLP run on those rows alone (padded past SMALL_ROWS). Its logits
-    must equal the whole forward's (every row through every layer) bit for bit: in a batch
-    past the padding (GQA, and MLA with MoE) and in one under it."""
+    """prefill_batch and forward(last_only) need only each sequence's last position from the
+    last layer, so that layer's o projection and MLP run on those rows alone (padded past
+    SMALL_ROWS). Their logits must equal the whole forward's (every row through every layer,
+    as ``features`` asks) bit for bit: in a batch past the padding (GQA, and MLA with MoE) and
+    in one under it."""
     runner = ModelRunner.load(rm.checkpoint(kind), dtype=dtype)
     for lengths in [(40, 33, 27), (5, 9)]:
         prompts = [rm.random_prompt(n, seed=n) for n in lengths]
         got = []
-        for whole in (False, True):
+        for path in ("prefill_batch", "last_only", "whole"):
             pool = runner.make_pool(64, 4)
             seqs = [SeqInput(p, 0, pool.alloc(-(-len(p) // 4))) for p in prompts]
-            if whole:
-                got.append(torch.cat(runner.forward(pool, seqs, last_only=True)))
-            else:
+            if path == "prefill_batch":
                 got.append(runner.prefill_batch(pool, seqs))
+            else:
+                out = runner.forward(pool, seqs, last_only=True, features=path == "whole")
+                got.append(torch.cat(out[0] if path == "whole" else out))
         assert got[0].shape == (len(prompts), runner.config.vocab_size)
-        assert torch.equal(got[0], got[1])
+        assert torch.equal(got[0], got[2]) and torch.equal(got[1], got[2])
 
 
 def test_prefill_chunks_follow_the_token_budget(llama):
