@@ -198,7 +198,10 @@ class Linear:
             and slow_half_gemm(weight.dtype)
         )
         self.packed = packed_weight(weight, settings)
-        self.epilogues = settings.fused == "auto"  # fused work in the GEMM (fuses_add)
+        # float32 on packed weights: the residual add in the GEMM's epilogue (fuses_add)
+        self.add_epilogue = (
+            self.packed is not None and settings.fused == "auto" and weight.dtype == torch.float32
+        )
         self.small_rows = SMALL_ROWS if self.packed is None else PACKED_FROM_ROWS - 1
         if weight.dtype == torch.bfloat16 and not settings.half_weights and not self.widen:
             self.small_rows = BF16_GEMM_FROM_ROWS - 1  # this CPU has bf16 GEMM instructions
@@ -230,13 +233,7 @@ class Linear:
         float32 on oneDNN-packed weights, where it gives the separate add's bits (a float32
         accumulator plus the residual, rounded once either way); not with
         ``PD_RUNTIME_FUSED=torch``."""
-        return (
-            self.packed is not None
-            and self.epilogues
-            and x.dim() == 2
-            and x.shape[0] > self.small_rows
-            and x.dtype == self.weight.dtype == torch.float32
-        )
+        return self.add_epilogue and x.shape[0] > self.small_rows and x.dtype == torch.float32
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + x @ weight.T + bias`` (a decoder layer's residual connection)."""
