@@ -104,6 +104,11 @@ class BatchMeta:
         return torch.tensor([0, *self.lengths]).cumsum(0)
 
     @cached_property
+    def last_rows(self) -> torch.Tensor:
+        """[B] int64 on the batch's device: each sequence's last flat token."""
+        return (self.cu_seqlens[1:] - 1).to(self.positions.device)
+
+    @cached_property
     def cu_q(self) -> torch.Tensor:
         """``cu_seqlens`` as [B + 1] int32 on the batch's device (the Triton kernel's view)."""
         return self.cu_seqlens.to(device=self.positions.device, dtype=torch.int32)

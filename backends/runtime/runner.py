@@ -201,7 +201,7 @@ class ModelRunner:
         groups = self._check_groups(groups)
         meta = self._meta(pool, [(s.start_pos, len(s.token_ids), s.pages) for s in seqs])
         h = self.model.embed(self._ids([t for s in seqs for t in s.token_ids]))  # [T, hidden]
-        ends = torch.tensor(meta.lengths, device=self.device).cumsum(0) - 1  # [B]
+        ends = meta.last_rows  # [B]
         for a, b in groups:  # without features only the last positions leave the last layer
             last = ends if not features and b == groups[-1][1] else None
             h = self.model.run_layers(h, meta, pool.tensor, a, b, last)
@@ -227,14 +227,14 @@ class ModelRunner:
         meta = self._meta(pool, [(s.start_pos, len(s.token_ids), s.pages) for s in seqs])
         ids = self._ids([t for s in seqs for t in s.token_ids])
         h = self.model.embed(ids)  # [T, hidden]
-        ends = torch.tensor(meta.lengths, device=self.device).cumsum(0) - 1  # [B]
         if last_only and not features:  # only the last positions leave the last layer
-            h = self.model.run_layers(h, meta, pool.tensor, 0, self.config.num_layers, ends)
+            last = meta.last_rows  # [B]
+            h = self.model.run_layers(h, meta, pool.tensor, 0, self.config.num_layers, last)
             return list(self.model.logits(h).split(1))  # B x [1, vocab]
         h = self.model.run_layers(h, meta, pool.tensor, 0, self.config.num_layers)
         normed = self.model.norm(h)  # [T, hidden]
         if last_only:
-            logits = list(self.model.normed_logits(normed[ends]).split(1))  # B x [1, vocab]
+            logits = list(self.model.normed_logits(normed[meta.last_rows]).split(1))  # B x [1, V]
         else:
             logits = list(self.model.normed_logits(normed).split(meta.lengths))  # [T, vocab]
         return (logits, list(normed.split(meta.lengths))) if features else logits
