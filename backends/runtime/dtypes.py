@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtransfer.layout import DTYPE_SIZES
+from kvtransfer import DTYPE_SIZES
 
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_SIZES}
 MODEL_DTYPES = ("float32", "bfloat16", "float16")

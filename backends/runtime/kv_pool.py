@@ -13,7 +13,7 @@ from collections import deque
 
 import torch
 
-from kvtransfer.layout import EntryLayout
+from kvtransfer import EntryLayout
 
 from .dtypes import TORCH_DTYPES
 

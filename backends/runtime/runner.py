@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtransfer.layout import EntryLayout
+from kvtransfer import EntryLayout
 
 from . import kv_quant
 from .config import ModelConfig

@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 from safetensors import safe_open
 
-from kvtransfer.layout import EntryLayout
+from kvtransfer import EntryLayout
 
 from .config import ModelConfig
 from .dtypes import model_dtype

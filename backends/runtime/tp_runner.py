@@ -31,7 +31,7 @@ from dataclasses import replace
 
 import torch
 
-from kvtransfer.layout import EntryLayout
+from kvtransfer import EntryLayout
 
 from .cpu_kernels import cpu_ops
 from .kv_pool import KVPool
@@ -265,7 +265,7 @@ class TPModelRunner(ShardRunner):
         """Start ranks 1..N-1's KV agents (:mod:`kvtransfer.rank_agent`) over their shards of
         ``pools`` (role -> a pool made here): each its own Mooncake engine (``config``, a
         ``TransferConfig``) and ``slots`` staging slots. Their clients, in rank order."""
-        from kvtransfer.rank_agent import AgentClient
+        from kvtransfer import AgentClient
 
         with self._lock:
             self._check_alive()

@@ -101,7 +101,7 @@ def worker_main(spec: WorkerSpec, conn: Connection, kv_conn: Connection | None =
 
 def _kv_agent(kv_conn: Connection, pools: dict) -> None:
     """This rank's KV agent over the pools rank 0 names (by pool id)."""
-    from kvtransfer.rank_agent import serve_start
+    from kvtransfer import serve_start
 
     def pools_of(ids: dict[str, int]):
         missing = [i for i in ids.values() if i not in pools]

@@ -17,8 +17,7 @@ import threading
 
 import msgspec
 
-from kvtransfer.identity import INCOMPATIBLE, Fingerprint, Identity, fingerprint, refusal
-from kvtransfer.messages import PROTOCOL_VERSION
+from kvtransfer import INCOMPATIBLE, PROTOCOL_VERSION, Fingerprint, Identity, fingerprint, refusal
 
 from .params import StageParams
 

@@ -1,7 +1,7 @@
 """Stage parameters: ONE schema for every stage's ``config.pbtxt`` ``parameters``.
 
 Each field has its default (the only definition of it: transfer and layer-group defaults are read
-from :class:`~kvtransfer.TransferConfig` and :class:`~kvtransfer.LayerGroupPolicy`), the stages
+from :class:`~kvtransfer.TransferConfig` and :class:`~.policy.LayerGroupPolicy`), the stages
 that use it, and its documentation; ``docs/configuration.md`` is generated from this schema
 (``scripts/gen_docs.py``, checked by a test). Values arrive from Triton as strings:
 :func:`parse_params` converts them and raises ``ValueError`` naming the parameter and what it
@@ -15,12 +15,12 @@ import os
 import re
 from dataclasses import dataclass, field, fields, replace
 
-from kvtransfer import LayerGroupPolicy, TransferConfig
-from kvtransfer.config import PROTOCOLS
+from kvtransfer import PROTOCOLS, TransferConfig
 
 from ..runtime.device import resolve_device
 from ..runtime.dtypes import MODEL_DTYPES
 from ..runtime.kv_quant import KV_CACHE_DTYPES
+from .policy import LayerGroupPolicy
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_MODEL = "models/smollm2-135m-instruct"

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvtransfer.identity import INCOMPATIBLE
+from kvtransfer import INCOMPATIBLE
 
 from . import errors
 from .fingerprint import to_param

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import logging
 
-from kvtransfer.identity import Fingerprint, reason_of, refusal
+from kvtransfer import Fingerprint, reason_of, refusal
 
 log = logging.getLogger(__name__)
 

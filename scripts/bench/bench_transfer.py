@@ -199,7 +199,8 @@ def run_kvtransfer(tx, conn, room: int, s_pages, d_pages, groups, tokens: int) -
 
 
 def bench_cell(name: str, page_size: int, args) -> dict:
-    from kvtransfer import KVSender, LayerGroupPolicy, TransferConfig
+    from backends.stages.policy import LayerGroupPolicy
+    from kvtransfer import KVSender, TransferConfig
     from kvtransfer.layout import group_transfers
 
     n_pages = math.ceil(args.tokens / page_size)

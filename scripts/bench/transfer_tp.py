@@ -278,7 +278,7 @@ class TPCell:
 
     @staticmethod
     def policy():
-        from kvtransfer import LayerGroupPolicy
+        from backends.stages.policy import LayerGroupPolicy
 
         return LayerGroupPolicy()
 

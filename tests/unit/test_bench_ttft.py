@@ -9,7 +9,7 @@ import pytest
 from ttft_lib import analysis as an
 from ttft_lib.report import markdown_table
 
-from kvtransfer import LayerGroupPolicy
+from backends.stages.policy import LayerGroupPolicy
 
 
 def test_exposed_fraction_math():

@@ -75,7 +75,8 @@ def test_a_parameter_the_stage_does_not_use_fails_the_load():
 
 def test_defaults_have_one_home():
     """Transfer and layer-group defaults are the kvtransfer classes' own."""
-    from kvtransfer import LayerGroupPolicy, TransferConfig
+    from backends.stages.policy import LayerGroupPolicy
+    from kvtransfer import TransferConfig
 
     p, tc, lg = StageParams(), TransferConfig(), LayerGroupPolicy()
     assert p.transfer_config(identity=False) == tc

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 
-from kvtransfer import LayerGroupPolicy
+from backends.stages.policy import LayerGroupPolicy
 
 BASE_MODES = ("colocated", "serial", "pipelined")
 # fixed group counts for the sweep; None = one group per layer

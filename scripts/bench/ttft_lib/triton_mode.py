@@ -40,7 +40,7 @@ def mode_sets(mode: str, num_layers: int) -> list[str]:
 
 def triton_groups(mode: str, num_tokens: int, num_layers: int) -> int:
     """How many groups the prefill stage of ``mode``'s repository streams."""
-    from kvtransfer import LayerGroupPolicy
+    from backends.stages.policy import LayerGroupPolicy
 
     if mode == "serial":
         return 1

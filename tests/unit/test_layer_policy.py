@@ -1,6 +1,6 @@
 import pytest
 
-from kvtransfer.policy import LayerGroupPolicy
+from backends.stages.policy import LayerGroupPolicy
 
 
 def covers(groups, layers):
