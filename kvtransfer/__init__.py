@@ -4,12 +4,10 @@ The package face: the stages and the runtime import only these names. Importing 
 neither Triton nor torch; Mooncake is imported lazily when a sender or receiver is built.
 """
 
-from . import messages
-from .checksum import entry_checksums
 from .config import PROTOCOLS, TransferConfig
-from .control import TransferFailed
-from .identity import INCOMPATIBLE, Fingerprint, Identity, fingerprint, reason_of, refusal
-from .layout import (
+from .control.loop import TransferFailed
+from .control.state import RoomStatus
+from .memory.layout import (
     DTYPE_SIZES,
     SCALED_DTYPES,
     EntryLayout,
@@ -19,11 +17,14 @@ from .layout import (
     group_units,
     shard_pieces,
 )
-from .messages import PROTOCOL_VERSION
-from .rank_agent import AgentClient, serve_start
-from .receiver import KVReceiver
-from .sender import KVSender
-from .state import RoomStatus
+from .protocol import messages
+from .protocol.checksum import entry_checksums
+from .protocol.identity import INCOMPATIBLE, Fingerprint, Identity, fingerprint, reason_of, refusal
+from .protocol.messages import PROTOCOL_VERSION
+from .receiver.receiver import KVReceiver
+from .roles import Receiver, Sender
+from .sender.sender import KVSender
+from .tp.agent import AgentClient, serve_start
 
 __all__ = [
     "DTYPE_SIZES",
@@ -38,7 +39,9 @@ __all__ = [
     "KVReceiver",
     "KVSender",
     "PoolLayout",
+    "Receiver",
     "RoomStatus",
+    "Sender",
     "TransferConfig",
     "TransferFailed",
     "check_compatible",

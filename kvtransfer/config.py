@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from .identity import Identity
+from .protocol.identity import Identity
 
 PROTOCOLS = ("tcp", "rdma")
 
@@ -100,8 +100,11 @@ class TransferConfig:
         if self.rdma_device and self.protocol != "rdma":
             raise ValueError("rdma_device is only meaningful with protocol='rdma'")
         for name in (
-            "bootstrap_timeout_s", "transfer_timeout_s", "heartbeat_interval_s", "queue_timeout_s"
-        ):  # fmt: skip
+            "bootstrap_timeout_s",
+            "transfer_timeout_s",
+            "heartbeat_interval_s",
+            "queue_timeout_s",
+        ):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
@@ -121,8 +124,11 @@ class TransferConfig:
         if self.staging_slot_bytes < 0 or self.staging_min_copy_bytes < 0:
             raise ValueError("staging_slot_bytes and staging_min_copy_bytes must be >= 0")
         for name in (
-            "staging_slots", "staging_inflight", "staging_recv_slots", "staging_grants_per_room"
-        ):  # fmt: skip
+            "staging_slots",
+            "staging_inflight",
+            "staging_recv_slots",
+            "staging_grants_per_room",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or not 1 <= v <= 1024:
                 raise ValueError(f"{name} must be an integer in 1..1024, got {v!r}")

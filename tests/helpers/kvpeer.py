@@ -192,7 +192,7 @@ class Peer:
 
     def set_faults(self, spec: str) -> None:
         """Fault injection on this side's sender (``KVTRANSFER_FAULTS`` syntax)."""
-        from kvtransfer.faults import Faults
+        from kvtransfer.link.faults import Faults
 
         self.kv.faults = Faults.from_env(spec)
 

@@ -1,4 +1,4 @@
-"""Test harness: one TP rank's KV shards (:class:`kvtransfer.shards.RankShards`) in its own OS
+"""Test harness: one TP rank's KV shards (:class:`kvtransfer.tp.shards.RankShards`) in its own OS
 process with its own Mooncake engine, driven through ``PeerProcess("shards", ...)``. One peer
 holds several named shard sets (one per test case) on one engine, so a test module spawns its
 ranks once."""
@@ -9,9 +9,9 @@ import numpy as np
 import torch
 
 from kvtransfer import EntryLayout, TransferConfig
-from kvtransfer.engine import Engine
-from kvtransfer.layout import ShardPiece
-from kvtransfer.shards import RankShards
+from kvtransfer.link.engine import Engine
+from kvtransfer.memory.layout import ShardPiece
+from kvtransfer.tp.shards import RankShards
 
 SLOTS, SLOT_BYTES = 2, 8192
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -56,10 +56,10 @@ def pages_back(*workers) -> bool:
 
 def colocated_spec(target: str, draft: str, prompts) -> tuple[int, int]:
     """(proposed, accepted) of one-rank colocated speculative decoding on ``prompts``."""
-    from backends.runtime.runner import ModelRunner
+    from backends.runtime.loader import load_runner
     from backends.runtime.spec import DraftSpec, SpecEngine, load_draft
 
-    t = ModelRunner.load(target)
+    t = load_runner(target)
     d = load_draft(t, path=draft)
     engine = SpecEngine(t, t.make_pool(64, 4), DraftSpec(d, d.make_pool(64, 4, "draft"), 3))
     engine.generate([(p, SamplingParams(max_tokens=16)) for p in prompts])
@@ -117,7 +117,7 @@ def test_a_decode_whose_ranks_do_not_pair_with_prefills_is_refused_at_once():
     """Prefill over 2 ranks, decode's second rank hidden from the Register: head 1 of 2 would
     have nowhere to go. The request fails at the handshake naming the heads, not later."""
     prefill, decode = stages(2, 2)
-    decode.receiver._rank_layouts, decode.receiver.agents = [], []  # Register lists rank 0 only
+    decode.receiver.staging.rank_dests = lambda: []  # Register lists rank 0 only
     try:
         t0 = time.time()
         c, res = run(prefill, decode, 4, random_prompt(9, seed=1))

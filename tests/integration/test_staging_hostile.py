@@ -16,7 +16,7 @@ from kvpeer import LAYOUTS
 
 from kvtransfer import EntryLayout, KVReceiver, TransferConfig
 from kvtransfer import messages as m
-from kvtransfer.layout import staging_rows
+from kvtransfer.memory.layout import staging_rows
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -78,7 +78,7 @@ def test_chunk_lands_only_in_the_rooms_pages_and_bad_chunks_fail_the_room(setup)
     lay, buf, rx, router, addr, released = setup
     pages = [40, 3, 17, 9, 60, 22]
     ident, reg, slots = claim(lay, rx, router, addr, 7, pages, released)
-    rx.staging.buffer[:] = 0xAB  # what a write of the slot would have put there
+    rx.staging.area.buffer[:] = 0xAB  # what a write of the slot would have put there
     # units 5..8 of layers [1, 3): cross the K/V boundary of layer 1
     send(router, ident, m.Staged(7, slots[0], "target", 1, 3, 5, 4))
     _, again = recv(router, m.Grant)  # served: the slot comes back to the same room
@@ -119,7 +119,7 @@ def test_out_of_bounds_chunks_fail_only_that_room(setup, bad, why):
     lay, buf, rx, router, addr, released = setup
     ident, _, slots_a = claim(lay, rx, router, addr, 8, [1, 2, 3, 4, 5, 6], released)
     _, _, slots_b = claim(lay, rx, router, addr, 9, [11, 12, 13, 14, 15, 16], released)
-    rx.staging.buffer[:] = 0xCD
+    rx.staging.area.buffer[:] = 0xCD
     kw = dict(room=8, slot=slots_a[0], role="target", layer_start=0, layer_stop=2, start=0)
     kw["slot"] = 0 if "rank" in bad else kw["slot"]
     kw.update(count=1, **{k: v for k, v in bad.items() if k != "count"})
@@ -138,7 +138,7 @@ def test_a_head_slice_lands_in_those_heads_only(setup):
     lay, buf, rx, router, addr, released = setup
     pages = [5, 33, 2, 48, 19, 7]
     ident, _, slots = claim(lay, rx, router, addr, 10, pages, released)
-    rx.staging.buffer[:] = 0x5A
+    rx.staging.area.buffer[:] = 0x5A
     send(router, ident, m.Staged(10, slots[0], "target", 0, 2, 3, 6, 0, 1, 1))
     assert recv(router, m.Grant)[1] == m.Grant(10, slots[0])
     rows = staging_rows(lay, pages, range(0, 2), 3, 6)

@@ -17,7 +17,7 @@ import runtime_models as rm
 import torch
 
 from backends.runtime.engine import LLMEngine
-from backends.runtime.runner import ModelRunner
+from backends.runtime.loader import load_runner
 from backends.runtime.sampler import SamplingParams
 from kvtransfer import TransferConfig
 
@@ -26,7 +26,7 @@ PAGE, N_NEW = 4, 12
 
 
 def load(kind: str, tp: int):
-    return ModelRunner.load(rm.checkpoint(kind), device="cpu", tensor_parallel_size=tp)
+    return load_runner(rm.checkpoint(kind), device="cpu", tensor_parallel_size=tp)
 
 
 CASES = [("qwen2_kv2", 2, 1), ("qwen2_kv2", 1, 2), ("deepseek_v2", 2, 1)]
@@ -69,7 +69,7 @@ def pd_room(kind, p_run, d_run, prompt, d_agents=True, contiguous=False):
         first = int(torch.argmax(logits))
         tx.finish(7, first)
         status = rx.wait(7, 60)
-        return status.name, rx.failure_reason(7), d_pool, dst_pages, first, tx.staged
+        return status.name, rx.failure_reason(7), d_pool, dst_pages, first, tx.staging.counts
     finally:
         tx.close()
         rx.close()

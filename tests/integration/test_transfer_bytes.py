@@ -125,7 +125,7 @@ def test_fp8_pools_byte_exact_and_half_of_bfloat16(spawn):
     the bfloat16 entries of the same shape, and land exactly."""
     from kvpeer import LAYOUTS
 
-    from kvtransfer.layout import EntryLayout
+    from kvtransfer.memory.layout import EntryLayout
 
     entries = {"target": ("fp8_gqa", 16, 80), "draft": ("fp8_mla", 16, 80)}
     prefill = spawn("prefill", entries, seed=8)

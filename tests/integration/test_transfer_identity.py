@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 from kvtransfer import messages as m
-from kvtransfer.identity import Identity
+from kvtransfer.protocol.identity import Identity
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -1,5 +1,5 @@
 """KV between prefill and decode stages of different TP sizes, byte for byte over real Mooncake:
-each rank is its own OS process with its own engine and pool shard (kvtransfer/shards.py).
+each rank is its own OS process with its own engine and pool shard (kvtransfer/tp/shards.py).
 Every piece :func:`~kvtransfer.layout.shard_pieces` plans is gathered into a registered slot on
 its prefill rank, written with one Mooncake write into a decode rank's slot and scattered there
 into that rank's heads only. Cases: GQA 1 -> 2, 2 -> 1, 2 -> 2 and the seed case, an MLA target
@@ -19,8 +19,8 @@ from kvpeer import PeerProcess
 from shardpeer import SLOT_BYTES
 
 from kvtransfer import EntryLayout
-from kvtransfer.layout import group_units, shard_pieces
-from kvtransfer.shards import piece_chunks
+from kvtransfer.memory.layout import group_units, shard_pieces
+from kvtransfer.tp.shards import piece_chunks
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 HEADS = 4

@@ -7,7 +7,7 @@ import random
 import torch
 
 from kvtransfer import EntryLayout
-from kvtransfer import checksum as c
+from kvtransfer.protocol import checksum as c
 
 
 def pool(attn="gqa", pages=20, seed=0):

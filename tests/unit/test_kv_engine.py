@@ -4,9 +4,9 @@ import threading
 
 import pytest
 
-from kvtransfer import engine as eng
 from kvtransfer.config import TransferConfig
-from kvtransfer.layout import Transfer
+from kvtransfer.link import engine as eng
+from kvtransfer.memory.layout import Transfer
 
 
 class FakeTE:

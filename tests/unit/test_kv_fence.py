@@ -9,9 +9,9 @@ import time
 import pytest
 from test_kv_engine import FakeTE
 
-from kvtransfer import engine as eng
 from kvtransfer.config import TransferConfig
-from kvtransfer.layout import Transfer
+from kvtransfer.link import engine as eng
+from kvtransfer.memory.layout import Transfer
 
 
 class ManualFence:

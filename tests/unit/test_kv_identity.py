@@ -1,6 +1,6 @@
-"""Deployment identity (kvtransfer/identity.py, backends/stages/fingerprint.py): the key id never
-shows the secret, the first differing field names the refusal, a checkpoint's digest follows
-its bytes (not its directory), and is computed once per file version."""
+"""Deployment identity (kvtransfer/protocol/identity.py, backends/stages/fingerprint.py): the key
+id never shows the secret, the first differing field names the refusal, a checkpoint's digest
+follows its bytes (not its directory), and is computed once per file version."""
 
 import os
 import shutil
@@ -8,7 +8,7 @@ import shutil
 import msgspec
 
 from backends.stages import fingerprint as fpm
-from kvtransfer.identity import Fingerprint, key_id, mismatch, reason_of, refusal
+from kvtransfer.protocol.identity import Fingerprint, key_id, mismatch, reason_of, refusal
 
 BASE = Fingerprint(5, key_id("s" * 32), "a" * 32, "m", "", "float32/page16")
 

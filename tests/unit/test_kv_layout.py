@@ -1,9 +1,9 @@
-"""Address math of kvtransfer.layout checked against numpy's own indexing."""
+"""Address math of kvtransfer.memory.layout checked against numpy's own indexing."""
 
 import numpy as np
 import pytest
 
-from kvtransfer.layout import (
+from kvtransfer.memory.layout import (
     EntryLayout,
     PoolLayout,
     check_compatible,
@@ -117,7 +117,7 @@ def test_pool_layout_rejects_duplicate_roles():
 
 @pytest.mark.parametrize("attn", ["gqa", "mla"])
 def test_staging_rows_walk_layers_components_then_the_page_list(attn):
-    from kvtransfer.layout import group_units, staging_rows
+    from kvtransfer.memory.layout import group_units, staging_rows
 
     kw = (
         dict(kv_heads=2, head_dim=8)
@@ -150,7 +150,7 @@ def test_staging_rows_walk_layers_components_then_the_page_list(attn):
 
 
 def test_mean_copy_bytes_tells_contiguous_from_fragmented():
-    from kvtransfer.layout import mean_copy_bytes
+    from kvtransfer.memory.layout import mean_copy_bytes
 
     lay = EntryLayout(
         role="target", attn="gqa", dtype="bfloat16", page_size=16, num_layers=2, num_pages=64,

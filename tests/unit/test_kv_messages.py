@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from kvtransfer import messages as m
-from kvtransfer.identity import Fingerprint
+from kvtransfer.protocol.identity import Fingerprint
 
 SECRET = b"s" * 32
 SAMPLES = [
@@ -181,7 +181,7 @@ def test_package_imports_without_torch_triton_or_mooncake():
     import sys
 
     code = (
-        "import sys, kvtransfer, kvtransfer.sender, kvtransfer.receiver;"
+        "import sys, kvtransfer, kvtransfer.sender.sender, kvtransfer.receiver.receiver;"
         "bad = [m for m in ('torch', 'triton', 'tritonclient', 'mooncake') if m in sys.modules];"
         "assert not bad, bad"
     )

@@ -1,9 +1,9 @@
 import pytest
 
-from kvtransfer import state
 from kvtransfer.config import TransferConfig
-from kvtransfer.state import Room, RoomStatus, RoomTable
-from kvtransfer.stats import TransferStats, reason_key
+from kvtransfer.control import state
+from kvtransfer.control.state import Room, RoomStatus, RoomTable
+from kvtransfer.control.stats import TransferStats, reason_key
 
 S = RoomStatus
 

@@ -8,8 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer.layout import EntryLayout, ShardPiece, group_units, shard_pieces, staging_rows
-from kvtransfer.staging import StagingArea
+from kvtransfer.memory.layout import (
+    EntryLayout,
+    ShardPiece,
+    group_units,
+    shard_pieces,
+    staging_rows,
+)
+from kvtransfer.memory.staging import StagingArea
 
 
 def gqa(heads: tuple[int, int], total: int = 4, role: str = "target", **kw) -> EntryLayout:
@@ -192,7 +198,7 @@ def dst_of(rank0: EntryLayout) -> dict:
 
 
 def test_a_register_covering_every_head_gives_the_pieces():
-    from kvtransfer.registration import check_ranks
+    from kvtransfer.sender.registration import check_ranks
 
     reg = register(gqa((0, 2)), [{"target": [2, 2]}])
     pieces = check_ranks(reg, dst_of(gqa((0, 2))), {"target": dict(enumerate(tp(4)))})
@@ -210,7 +216,7 @@ def test_a_register_covering_every_head_gives_the_pieces():
     ([{"target": [2, 2]}], 2, "holds no page"),  # a page of 2 heads is 256 B, a slot 64 B
 ])  # fmt: skip
 def test_a_register_that_does_not_pair_with_prefills_ranks_is_refused(ranks, slots, words):
-    from kvtransfer.registration import RegistrationError, check_ranks, check_slots
+    from kvtransfer.sender.registration import RegistrationError, check_ranks, check_slots
 
     reg = register(gqa((0, 2)), ranks, slots, 64 if words == "holds no page" else 1024)
     dst = dst_of(gqa((0, 2)))
@@ -221,7 +227,7 @@ def test_a_register_that_does_not_pair_with_prefills_ranks_is_refused(ranks, slo
 
 def test_a_tp_mismatch_of_heads_that_do_not_divide_is_refused():
     """prefill at TP 2 over 4 heads, decode at TP 3 (heads 0-1, 2, 3 as its ranks say)."""
-    from kvtransfer.registration import check_ranks
+    from kvtransfer.sender.registration import check_ranks
 
     reg = register(gqa((0, 2)), [{"target": [2, 1]}, {"target": [3, 1]}])
     pieces = check_ranks(reg, dst_of(gqa((0, 2))), {"target": dict(enumerate(tp(2)))})
@@ -233,7 +239,7 @@ def test_a_draft_on_other_ranks_than_the_target_pairs_by_each_sides_rank_numbers
     2 draft heads 1; prefill's agents 1 (target) and 2 (draft) likewise. Pieces name those
     ranks, not positions in each entry's list."""
     from kvtransfer import messages as m
-    from kvtransfer.registration import check_ranks
+    from kvtransfer.sender.registration import check_ranks
 
     t0, d0 = gqa((0, 2)), gqa((0, 1), total=2, role="draft")
     entries = [m.EntrySpec(x.role, x.signature(), [0], 4096, 8) for x in (t0, d0)]
