@@ -110,6 +110,7 @@ class ReceiverRoom(Room):
     # (their Fail) or disconnection is awaited before the pages are released (quarantine)
     quarantine: set[str] | None = None
     quarantine_until: float = 0.0  # a Refuse hint's room: released then at the latest
+    complete: m.Complete | None = None  # prefill's Complete, acted on once every chunk scattered
 
 
 class RoomTable:

@@ -42,6 +42,7 @@ from typing import Protocol
 
 from ..config import TransferConfig
 from ..memory.layout import Transfer
+from .writer import DoneCallback, SlotWriter
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,10 @@ INSTALL_HINT = (
     "(`mooncake-transfer-engine` with CUDA 12), plus the system package libibverbs1 "
     "(`apt-get install -y libibverbs1`)."
 )
+
+
+class WriteTimeout(TimeoutError):
+    """A blocking write did not end within its deadline (it may still be in flight)."""
 
 
 class EngineError(RuntimeError):
@@ -81,8 +86,8 @@ def _load_transfer_engine():
     return TransferEngine
 
 
-DoneCallback = Callable[[bool], None]
 FENCE_POLL_S = 0.0005
+CLOSE_JOIN_S = 5.0  # close() waits this long for each transfer worker
 
 
 class Fence(Protocol):
@@ -177,6 +182,7 @@ class Engine:
         self._busy_until = self._last_done = 0.0
         self._closed = False
         self.worker_errors = 0
+        self._writers: list = []  # SlotWriters over this engine (slot_writer)
         self._workers = [
             threading.Thread(target=self._work, name=f"kv-transfer-{i}", daemon=True)
             for i in range(config.num_workers)
@@ -188,6 +194,13 @@ class Engine:
     def native(self):
         """Mooncake's TransferEngine itself (for :mod:`.writer`'s non-blocking single writes)."""
         return self._te
+
+    def slot_writer(self, name: str = "kv-stage-writer"):
+        """A :class:`~kvtransfer.link.writer.SlotWriter` over this engine, closed by
+        :meth:`close` before any memory is unregistered."""
+        w = SlotWriter(self._te, name)
+        self._writers.append(w)
+        return w
 
     # ---- memory ------------------------------------------------------------------------------
     def register(self, addr: int, length: int) -> None:
@@ -206,17 +219,34 @@ class Engine:
         the control thread: the session-ownership proof)."""
         return self._sync("read", session, local_addr, remote_addr, length)
 
-    def write_sync(self, session: str, local_addr: int, remote_addr: int, length: int) -> bool:
+    def write_sync(
+        self,
+        session: str,
+        local_addr: int,
+        remote_addr: int,
+        length: int,
+        timeout_s: float | None = None,
+    ) -> bool:
         """Blocking write of ``length`` bytes into a peer's registered memory (one TP rank's
         staged chunk, :mod:`kvtransfer.tp.shards`). Submitted, then polled with 100 us sleeps:
-        Mooncake's blocking call spins and takes a core from its own TCP threads on a small host."""
+        Mooncake's blocking call spins and takes a core from its own TCP threads on a small host.
+
+        False when the write failed; :class:`WriteTimeout` when it has not ended after
+        ``timeout_s`` (default ``transfer_timeout_s``): it may still be in flight, so the caller
+        must not reuse the source memory."""
+        limit = self.config.transfer_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
         try:
             tid = self._te.transfer_submit_write(session, local_addr, remote_addr, length)
             if tid is None or tid < 0:
                 return False
             while (rc := self._te.transfer_check_status(tid)) == 0:
+                if time.monotonic() > deadline:
+                    raise WriteTimeout(f"write to {session} not done after {limit:g} s")
                 time.sleep(1e-4)
             return rc == 1
+        except WriteTimeout:
+            raise
         except Exception as e:
             log.warning("write to %s raised %s: %s", session, type(e).__name__, e)
             return False
@@ -363,8 +393,17 @@ class Engine:
         self._closed = True
         for _ in self._workers:
             self._queue.put(None)
+        stopped = all([w.close() for w in self._writers])
         for w in self._workers:
-            w.join(timeout=5)
+            w.join(timeout=CLOSE_JOIN_S)
+        busy = [w.name for w in self._workers if w.is_alive()] + ([] if stopped else ["writer"])
+        if busy:  # a write may still read registered memory: never unregister under it
+            log.error(
+                "engine close: %s still busy after %g s; memory stays registered",
+                busy,
+                CLOSE_JOIN_S,
+            )
+            return
         for addr in list(self._regions):
             self._te.unregister_memory(addr)
         self._regions.clear()

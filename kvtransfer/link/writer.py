@@ -6,6 +6,9 @@ Mooncake's own TCP threads and from the gather/scatter copies (2-core host: stag
 16 reached 0.21-0.36 GB/s of a 0.5 GB/s link with it). ``transfer_submit_write`` /
 ``transfer_check_status`` (1 done, 0 pending, < 0 failed) do not block: one thread submits
 each write once its fence is done and polls every write in flight with short sleeps.
+
+:meth:`SlotWriter.close` takes no new write, fails the ones not started, and waits (bounded)
+for the ones in flight: the engine unregisters its memory only once they ended.
 """
 
 from __future__ import annotations
@@ -15,14 +18,16 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 from ..memory.layout import Transfer
-from .engine import DoneCallback
 
 log = logging.getLogger(__name__)
 
+DoneCallback = Callable[[bool], None]  # ok: the write (or every write of a job) landed
 POLL_S = 0.0002
 NICE = 10
+CLOSE_WAIT_S = 10.0  # close() waits this long for the writes in flight
 
 
 class SlotWriter:
@@ -30,6 +35,7 @@ class SlotWriter:
         self._te = te
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
+        self._inflight = 0  # writes handed to Mooncake and not ended
         self.errors = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -37,6 +43,9 @@ class SlotWriter:
     def submit(self, session: str, t: Transfer, callback: DoneCallback, fence=None) -> None:
         """Write ``t`` once ``fence`` (if any) reports done; ``callback(ok)`` runs once, on
         this writer's thread."""
+        if self._closed:
+            _report(callback, False)
+            return
         self._queue.put((session, t, callback, fence))
 
     def _run(self) -> None:
@@ -73,8 +82,24 @@ class SlotWriter:
                     still.append(job)
             waiting = still
             inflight = [j for j in inflight if j is not None and not self._done(*j)]
+            self._inflight = len(inflight)
             if waiting or inflight:
                 time.sleep(POLL_S)
+        for job in waiting:  # closed: what did not start fails, what started is awaited
+            _report(job[2], False)
+        self._drain(inflight)
+
+    def _drain(self, inflight: list) -> None:
+        end = time.monotonic() + CLOSE_WAIT_S
+        while inflight and time.monotonic() < end:
+            inflight = [j for j in inflight if j is not None and not self._done(*j)]
+            self._inflight = len(inflight)
+            time.sleep(POLL_S)
+        while True:  # submitted after the loop stopped: never started
+            try:
+                _report(self._queue.get_nowait()[2], False)
+            except queue.Empty:
+                break
 
     def _start(self, session: str, t: Transfer, callback: DoneCallback):
         try:
@@ -100,9 +125,11 @@ class SlotWriter:
         _report(callback, rc == 1)
         return True
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Stop; True once no write of this writer can still be in flight."""
         self._closed = True
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=CLOSE_WAIT_S + 5)
+        return not self._thread.is_alive() and self._inflight == 0
 
 
 def _fence_done(fence) -> bool | None:

@@ -35,7 +35,7 @@ from ..protocol import messages as m
 from ..protocol.checksum import verify_room
 from ..protocol.identity import INCOMPATIBLE, reason_of
 from .hints import hint_failure
-from .staging import StagedReceives
+from .staging import ReceiveLinks, StagedReceives
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,12 @@ class KVReceiver(ControlLoop):
             self.engine,
             list(agents or []),  # a TP decode's ranks 1..N-1
             self.rooms,
-            self._grant,
+            ReceiveLinks(
+                grant=self._grant,
+                post=self.call,
+                fail=lambda room, reason: self._fail(room, reason, reason),
+                drained=self._scatters_drained,
+            ),
         )
         self.session_id = self.engine.session_id
         self.token = SessionToken(self.engine)  # proves to prefill that we own this session
@@ -251,7 +256,8 @@ class KVReceiver(ControlLoop):
         self._try_release(r)
 
     def _try_release(self, r: ReceiverRoom) -> None:
-        """Release the pages of an ended room once no awaited prefill can still write."""
+        """Release the pages of an ended room once no awaited prefill can still write and no
+        rank's scatter of it is in flight."""
         for addr in list(r.quarantine or ()):
             p, carry = self._peers.get(addr), r.epochs.get(addr, 0)
             if p is None or p.epoch > carry or (p.epoch == carry and not p.connected):
@@ -259,7 +265,7 @@ class KVReceiver(ControlLoop):
             elif p.epoch < carry and not self._peer_in_use(p, r):
                 self._reset_peer(p)  # the Register never left this process: drop it
                 r.quarantine.discard(addr)
-        if not r.quarantine:
+        if not r.quarantine and not self.staging.scattering(r.room):
             self.release(r)
 
     def _peer_in_use(self, p: _Peer, but: ReceiverRoom) -> bool:
@@ -310,18 +316,10 @@ class KVReceiver(ControlLoop):
                 other = None if claimed else "another prefill failed the room"
                 self._fail(r.room, f"prefill {peer.addr}: {msg.reason}", other, (peer.addr,))
         elif isinstance(msg, m.Complete):
-            if claimed == peer.addr:
-                bad = self._checksum_error(r, msg)
-                if bad:  # prefill's writes are done (Complete): no quarantine needed
-                    self._fail(r.room, bad, None, (peer.addr,))
-                    return
-                with self.cond:
-                    self._results[r.room] = (msg.first_token, dict(msg.extra))
-                    while len(self._results) > self.config.tombstones:
-                        self._results.popitem(last=False)
-                self.transfer_stats.group_done(r.stat, True)
-                self.advance(r, RoomStatus.Success)
-                self.release(r)
+            if claimed == peer.addr and r.complete is None:
+                r.complete = msg
+                if not self.staging.scattering(r.room):  # else once the ranks scattered
+                    self._complete(r)
         elif isinstance(msg, m.FirstToken) and claimed == peer.addr:
             if r.on_first is not None and msg.token >= 0:
                 try:
@@ -343,6 +341,32 @@ class KVReceiver(ControlLoop):
         super().release(r)
         if r.released:
             self.staging.release(r.room)
+
+    def _complete(self, r: ReceiverRoom) -> None:
+        """Prefill's writes all landed and every chunk was scattered: the room succeeds."""
+        msg = r.complete
+        bad = self._checksum_error(r, msg)
+        if bad:  # prefill's writes are done (Complete): no quarantine needed
+            self._fail(r.room, bad, None, (r.claimed_by,))
+            return
+        with self.cond:
+            self._results[r.room] = (msg.first_token, dict(msg.extra))
+            while len(self._results) > self.config.tombstones:
+                self._results.popitem(last=False)
+        self.transfer_stats.group_done(r.stat, True)
+        self.advance(r, RoomStatus.Success)
+        self.release(r)
+
+    def _scatters_drained(self, room: int) -> None:
+        """The room's last rank scatter in flight was answered: a deferred Complete or a
+        release that waited for it goes on."""
+        r = self.rooms.get(room)
+        if r is None:
+            return
+        if r.status.ended:
+            self._try_release(r)
+        elif r.complete is not None:
+            self._complete(r)
 
     def _grant(self, r: ReceiverRoom, rank: int, slot: int) -> None:
         self.send(self._peers[r.claimed_by].sock, m.Grant(r.room, slot, rank))

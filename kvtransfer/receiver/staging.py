@@ -13,16 +13,19 @@ page list): a chunk cannot land outside a claimed page. Anything else fails that
 Tensor parallel decode: ranks 1..N-1 have staging slots of their own (their agents,
 :mod:`kvtransfer.tp.agent`), declared in the Register (``ranks``); slots are lent per rank (Want
 and Grant name it) and a Staged names its rank and the heads of that rank's shard it carries
-(checked against the rank's head count). Rank k's chunk is scattered by its agent; the control
-thread waits for that (a memory copy of one slot) so a Complete is never read before every
-chunk before it was scattered.
+(checked against the rank's head count). Rank k's chunk is scattered by its agent while the
+control thread goes on serving every other room: the room counts its scatters in flight, its
+slot is lent again only once the agent answered, a Complete is acted on only once every chunk
+before it was scattered, and the room's pages (and slots) are released only once no scatter
+of it is in flight, so a late scatter can never land in pages another room owns.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import deque
+import logging
+from collections import Counter, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..config import TransferConfig
 from ..control.state import ReceiverRoom, RoomTable
@@ -32,15 +35,23 @@ from ..memory.staging import StagingArea
 from ..protocol import messages as m
 from ..tp.agent import Chunk
 
-AGENT_SCATTER_TIMEOUT_S = 30.0
-Grant = Callable[[ReceiverRoom, int, int], None]  # (room, decode rank, slot): send a Grant
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReceiveLinks:
+    """What the staged path does to the rest of the receiver."""
+
+    grant: Callable[[ReceiverRoom, int, int], None]  # (room, decode rank, slot): send a Grant
+    post: Callable  # run ``fn(*args)`` on the control thread later (from any thread)
+    fail: Callable[[int, str], None]  # fail a room (a rank's scatter failed)
+    drained: Callable[[int], None]  # the room's last scatter in flight was answered
 
 
 class StagedReceives:
     """This rank's slots (``area``, None without staging) and the ranks' agents' slots, lent
     room by room. ``agents``: a TP decode's ranks 1..N-1
-    (:class:`~kvtransfer.tp.agent.AgentClient`); ``grant`` sends a Grant to the prefill that
-    claimed the room."""
+    (:class:`~kvtransfer.tp.agent.AgentClient`); ``links``: what it does to the receiver."""
 
     def __init__(
         self,
@@ -50,10 +61,10 @@ class StagedReceives:
         engine: Engine,
         agents: list,
         rooms: RoomTable,
-        grant: Grant,
+        links: ReceiveLinks,
     ):
         self.config, self.layouts, self.agents = config, layouts, agents
-        self.rooms, self._send_grant = rooms, grant
+        self.rooms, self.links = rooms, links
         self.area: StagingArea | None = None
         self.rank_layouts: list[dict[str, EntryLayout]] = [a.layouts() for a in agents]
         self._slot_free: dict[int, deque] = {}  # rank -> its free slots
@@ -68,6 +79,7 @@ class StagedReceives:
         self._slot_owner: dict[tuple[int, int], int] = {}  # (rank, slot) -> room
         self._slot_lent: set[tuple[int, int]] = set()  # granted, not yet reported Staged
         self._wanting: dict[tuple[int, int], int] = {}  # (room, rank) -> slots still to lend
+        self._scattering: Counter[int] = Counter()  # room -> rank scatters in flight
 
     def register_fields(self) -> dict:
         """The Register's staging fields (rank 0's region)."""
@@ -111,22 +123,29 @@ class StagedReceives:
         return None
 
     def on_staged(self, r: ReceiverRoom, msg: m.Staged) -> str:
-        """Scatter a chunk that landed in a slot lent to ``r`` and lend the slot again; the
-        error that fails the room, or ``""``."""
+        """Scatter a chunk that landed in a slot lent to ``r`` (rank 0: now; rank k: its agent,
+        answered later) and lend the slot again; the error that fails the room, or ``""``."""
         err = self._check_staged(r, msg)
-        if not err:
-            try:
-                self._scatter(r, msg)
-            except Exception as e:
-                err = str(e)
         if err:
             return err
         self._slot_lent.discard((msg.rank, msg.slot))
+        try:
+            if msg.rank:
+                self._agent_scatter(r, msg)
+                return ""
+            self._scatter(r, msg)
+        except Exception as e:
+            return str(e)
         self._grant(r, msg.rank, msg.slot)  # the slot stays the room's: prefill may fill it again
         return ""
 
+    def scattering(self, room: int) -> int:
+        """Rank scatters of ``room`` still in flight (its pages are not to be released)."""
+        return self._scattering.get(room, 0)
+
     def release(self, room: int) -> None:
-        """The room's pages are released: its slots are too (same write fence)."""
+        """The room's pages are released (never while a scatter of it is in flight): its slots
+        are too (same write fence)."""
         for key in [k for k in self._wanting if k[0] == room]:
             del self._wanting[key]
         mine = [k for k, owner in self._slot_owner.items() if owner == room]
@@ -156,31 +175,43 @@ class StagedReceives:
 
     def _grant(self, r: ReceiverRoom, rank: int, slot: int) -> None:
         self._slot_lent.add((rank, slot))
-        self._send_grant(r, rank, slot)
+        self.links.grant(r, rank, slot)
 
     def _scatter(self, r: ReceiverRoom, msg: m.Staged) -> None:
-        layers = range(msg.layer_start, msg.layer_stop)
+        """Rank 0's chunk: a copy of one slot into the room's pages, here and now."""
         heads = (msg.head_off, msg.heads) if msg.heads else None
-        pages = r.pages[msg.role]
-        if msg.rank == 0:
-            rows = staging_rows(self.layouts[msg.role], pages, layers, msg.start, msg.count)
-            self.area.scatter(msg.role, rows, msg.slot, heads)
-            return
+        layers = range(msg.layer_start, msg.layer_stop)
+        rows = staging_rows(self.layouts[msg.role], r.pages[msg.role], layers, msg.start, msg.count)
+        self.area.scatter(msg.role, rows, msg.slot, heads)
+
+    def _agent_scatter(self, r: ReceiverRoom, msg: m.Staged) -> None:
+        """Rank k's chunk: its agent scatters it; the answer comes back on the control thread."""
         lay = self.rank_layouts[msg.rank - 1][msg.role]
-        off, n = heads or (0, lay.kv_heads)
+        off, n = (msg.head_off, msg.heads) if msg.heads else (0, lay.kv_heads)
         piece = (msg.role, 0, msg.rank, 0, n, 0, off)
-        chunk = Chunk(piece, pages, msg.layer_start, msg.layer_stop, msg.start, msg.count)
-        done, got = threading.Event(), []
+        chunk = Chunk(
+            piece, r.pages[msg.role], msg.layer_start, msg.layer_stop, msg.start, msg.count
+        )
+        room, rank, slot = r.room, msg.rank, msg.slot
+        self._scattering[room] += 1
 
         def answered(ok: bool, error: str) -> None:  # the agent client's reader thread
-            got.append("" if ok else error or "failed")
-            done.set()
+            self.links.post(self._scattered, room, rank, slot, ok, error)
 
-        self.agents[msg.rank - 1].scatter(chunk, msg.slot, answered)
-        if not done.wait(AGENT_SCATTER_TIMEOUT_S):
-            raise TimeoutError(f"rank {msg.rank} did not scatter in {AGENT_SCATTER_TIMEOUT_S:g} s")
-        if got[0]:
-            raise RuntimeError(f"rank {msg.rank}: {got[0]}")
+        self.agents[rank - 1].scatter(chunk, slot, answered)
+
+    def _scattered(self, room: int, rank: int, slot: int, ok: bool, error: str) -> None:
+        self._scattering[room] -= 1
+        if not self._scattering[room]:
+            del self._scattering[room]
+        r = self.rooms.get(room)
+        if not ok:
+            log.warning("room %d: rank %d's scatter failed: %s", room, rank, error)
+            self.links.fail(room, f"bad staged chunk: rank {rank}: {error or 'failed'}")
+        elif r is not None and not r.status.ended:
+            self._grant(r, rank, slot)  # the slot stays the room's: prefill may fill it again
+        if room not in self._scattering:
+            self.links.drained(room)
 
     def _check_staged(self, r: ReceiverRoom, msg: m.Staged) -> str:
         key = (msg.rank, msg.slot)

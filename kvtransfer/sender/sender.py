@@ -180,8 +180,7 @@ class KVSender(ControlLoop):
 
     def close(self) -> None:
         self.inbox.close()
-        self.staging.close()
-        super().close()
+        super().close()  # the engine closes the staging writer first
 
     # ---- loop thread: the stage's calls --------------------------------------------------------
     def _expect(self, room: int, num_tokens: int, on_registered, on_release) -> None:

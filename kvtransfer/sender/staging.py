@@ -30,7 +30,6 @@ from ..config import TransferConfig
 from ..control.state import RoomTable, SenderRoom
 from ..control.stats import TransferStats
 from ..link.engine import Engine
-from ..link.writer import SlotWriter
 from ..memory.layout import (
     EntryLayout,
     ShardPiece,
@@ -120,13 +119,13 @@ class StagedSends:
         self.config, self.layouts, self.rank_layouts = config, layouts, rank_layouts
         self.agents, self.rooms, self.stats, self.links = agents, rooms, stats, links
         self.area: StagingArea | None = None
-        self.writer: SlotWriter | None = None
+        self.writer = None
         if tensors and config.staging_slot_bytes:
             self.area = StagingArea(
                 tensors, layouts, config.staging_slots, config.staging_slot_bytes
             )
             engine.register(self.area.addr, self.area.nbytes)
-            self.writer = SlotWriter(engine.native)
+            self.writer = engine.slot_writer()  # closed by the engine, before its memory
         self._rooms: OrderedDict[int, _RoomStage] = OrderedDict()
         self._local_free = list(range(config.staging_slots))
         self._gathered: deque[_Chunk] = deque()
@@ -219,10 +218,6 @@ class StagedSends:
         rs = self._rooms.get(room)
         if rs is not None and not any(t.inflight for t in rs.tasks):
             del self._rooms[room]
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
 
     # ---- chunks ------------------------------------------------------------------------------
     def _submit_gathered(self) -> None:

@@ -33,12 +33,13 @@ from multiprocessing.connection import Connection
 import msgspec
 
 from ..config import TransferConfig
-from ..link.engine import Engine
+from ..link.engine import Engine, WriteTimeout
 from ..link.proof import SessionToken
 from ..memory.layout import EntryLayout, ShardPiece, Transfer
 from .shards import RankShards
 
 log = logging.getLogger(__name__)
+SLOT_WAIT_S = 30.0  # a Send waits this long for a free local slot (the writer frees them)
 
 
 class Start(msgspec.Struct, tag="start", frozen=True):
@@ -129,6 +130,26 @@ _dec = msgspec.msgpack.Decoder(Command)
 _done = msgspec.msgpack.Decoder(Done)
 
 
+class SlotPool:
+    """This rank's free staging slots: the command thread takes one per Send, the writer
+    thread gives it back once its write ended."""
+
+    def __init__(self, slots: int):
+        self._free: queue.Queue[int] = queue.Queue()
+        for s in range(slots):
+            self._free.put(s)
+
+    def take(self, timeout_s: float) -> int:
+        """A free slot; TimeoutError when none came free within ``timeout_s``."""
+        try:
+            return self._free.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no free staging slot in {timeout_s:g} s") from None
+
+    def give(self, slot: int) -> None:
+        self._free.put(slot)
+
+
 class RankAgent:
     """One rank's engine, slots and token over its pool shards ``tensors`` / ``layouts``."""
 
@@ -145,9 +166,7 @@ class RankAgent:
             self.engine.register(lay.base_addr, lay.nbytes)
         self.shards = RankShards(self.engine, tensors, layouts, slots, slot_bytes)
         self.token = SessionToken(self.engine)
-        self._free: queue.Queue[int] = queue.Queue()
-        for s in range(slots):
-            self._free.put(s)
+        self._free = SlotPool(slots)
         self._writes: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # one sender on the pipe at a time
 
@@ -164,7 +183,8 @@ class RankAgent:
         )
 
     def serve(self, conn: Connection) -> None:
-        """Answer ``conn``'s commands until Stop or EOF; then close the engine."""
+        """Answer ``conn``'s commands until Stop or EOF; then close the engine, once the writer
+        thread stopped (a write it started may read this rank's slots until then)."""
         writer = threading.Thread(
             target=self._write_loop, args=(conn,), name="kv-agent-writer", daemon=True
         )
@@ -174,8 +194,11 @@ class RankAgent:
                 self._one(conn, cmd)
         finally:
             self._writes.put(None)
-            writer.join(timeout=30)
-            self.engine.close()
+            writer.join(timeout=self.engine.config.transfer_timeout_s + 5)
+            if writer.is_alive():
+                log.error("KV agent: the writer is still in a write; the engine stays open")
+            else:
+                self.engine.close()
 
     def _one(self, conn: Connection, cmd) -> None:
         try:
@@ -189,11 +212,11 @@ class RankAgent:
                 done = lambda ok, seq=cmd.seq: self._answer(conn, Done(seq, ok))  # noqa: E731
                 self.engine.submit(cmd.session, xs, done)
             elif isinstance(cmd, Send):
-                slot = self._free.get()
+                slot = self._free.take(SLOT_WAIT_S)
                 try:
                     nbytes = self.shards.gather(*cmd.chunk.args(), slot)
                 except BaseException:
-                    self._free.put(slot)
+                    self._free.give(slot)
                     raise
                 self._writes.put((cmd, slot, nbytes))
             else:
@@ -204,11 +227,16 @@ class RankAgent:
     def _write_loop(self, conn: Connection) -> None:
         while (job := self._writes.get()) is not None:
             cmd, slot, nbytes = job
-            ok = self.engine.write_sync(
-                cmd.session, self.shards.slot_addr(slot), cmd.remote_addr, nbytes
-            )
-            self._free.put(slot)
-            self._answer(conn, Done(cmd.seq, ok, "" if ok else f"write to {cmd.session} failed"))
+            try:
+                ok = self.engine.write_sync(
+                    cmd.session, self.shards.slot_addr(slot), cmd.remote_addr, nbytes
+                )
+                why = "" if ok else f"write to {cmd.session} failed"
+            except WriteTimeout as e:  # it may still read the slot: the slot is never reused
+                ok, why, slot = False, str(e), None
+            if slot is not None:
+                self._free.give(slot)
+            self._answer(conn, Done(cmd.seq, ok, why))
 
     def _answer(self, conn: Connection, done: Done) -> None:
         with self._lock:
@@ -327,23 +355,32 @@ class AgentClient:
         done(False, err)
 
     def _read(self) -> None:
-        while True:
-            try:
-                d = _done.decode(self.conn.recv_bytes())
-            except (EOFError, OSError, msgspec.DecodeError):
-                self._fail_all(f"tensor-parallel rank {self.rank}: KV agent is gone")
-                return
-            with self._lock:
-                cb = self._pending.pop(d.seq, None)
-            if cb is not None:
-                cb(d.ok, d.error)
+        """Run each answer's callback; one that raises is logged and the reader goes on. When
+        the pipe ends (or the reader itself fails), every command still waiting fails."""
+        why = f"tensor-parallel rank {self.rank}: KV agent is gone"
+        try:
+            while True:
+                try:
+                    d = _done.decode(self.conn.recv_bytes())
+                except (EOFError, OSError, msgspec.DecodeError):
+                    return
+                with self._lock:
+                    cb = self._pending.pop(d.seq, None)
+                if cb is not None:
+                    _run_callback(cb, d.ok, d.error)
+        except BaseException as e:
+            why = f"tensor-parallel rank {self.rank}: KV agent reader failed ({e!r})"
+            log.exception("%s", why)
+            raise
+        finally:
+            self._fail_all(why)
 
     def _fail_all(self, why: str) -> None:
         with self._lock:
             self._closed = self._closed or why
             pending, self._pending = self._pending, {}
         for cb in pending.values():
-            cb(False, why)
+            _run_callback(cb, False, why)
 
     def close(self) -> None:
         try:
@@ -351,3 +388,10 @@ class AgentClient:
         except OSError:
             pass
         self._fail_all(f"tensor-parallel rank {self.rank}: KV agent closed")
+
+
+def _run_callback(cb: Callable[[bool, str], None], ok: bool, error: str) -> None:
+    try:
+        cb(ok, error)
+    except Exception:
+        log.exception("a KV agent command's callback raised")
