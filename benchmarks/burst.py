@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """A burst of concurrent short requests against one server: every one must succeed (they wait
 in the stages' queues; nothing is refused for a count), and no KV page may stay in use after.
 
-    .venv/bin/python scripts/burst.py --url 127.0.0.1:8000 \\
+    .venv/bin/python -m benchmarks.burst --url 127.0.0.1:8000 \\
         --metrics http://127.0.0.1:8002/metrics --requests 1000 [--json]
 
 Half of the requests stream (``generate_stream``), half do not (``generate``). Prints the number

@@ -1,15 +1,14 @@
-"""Small pieces every benchmark script shares: progress logging, a median timing, the run's
-metadata, and the result printed as JSON or as a table."""
+"""Small pieces the benchmarks share: progress logging, a median timing, the run's metadata, the
+result printed as JSON or as a table, and a stress run's verdict (soak, fuzz_control)."""
 
 from __future__ import annotations
 
 import json
 import platform
+import shlex
 import statistics
 import sys
 import time
-
-import torch
 
 
 def log(msg: str) -> None:
@@ -29,6 +28,8 @@ def median_ms(fn, reps: int) -> float:
 
 def run_meta(args, **extra) -> dict:
     """What a result depends on besides the code: model, dtype, device, runs, threads, host."""
+    import torch
+
     return {
         "model": args.model,
         "dtype": args.dtype,
@@ -41,6 +42,11 @@ def run_meta(args, **extra) -> dict:
     }
 
 
+def command_line(module: str, argv: list[str] | None = None) -> str:
+    """How this run was started, for its results: ``python -m module`` and its arguments."""
+    return " ".join(shlex.quote(a) for a in ["python", "-m", module, *(argv or sys.argv[1:])])
+
+
 def emit(out: dict, as_json: bool, header: list[str], rows) -> None:
     """``out`` as one JSON object, or ``rows`` (lists of cells) as a markdown table."""
     if as_json:
@@ -50,3 +56,13 @@ def emit(out: dict, as_json: bool, header: list[str], rows) -> None:
     print("|" + "---|" * len(header))
     for row in rows:
         print("| " + " | ".join(str(c) for c in row) + " |")
+
+
+def print_result(result: dict, as_json: bool) -> int:
+    """Print a run's verdict (one JSON object, or a line per field); the exit status."""
+    if as_json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k}: {v}")
+    return 0 if result["ok"] else 1

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The C++ CPU decode-attention kernel (``torch.ops.pd_runtime.paged_decode``) alone, on
 SmolLM2's shapes (3 KV heads of 64, 3 query heads each, float32): B sequences of C keys each on
 fragmented pages of 16, ``--layers`` distinct layer caches so the keys come from memory as in a
@@ -6,7 +5,7 @@ real step. Reports ms per layer (median of ``--reps`` passes over the layers) an
 read per second. ``--baseline-root DIR``: the same in a process of another checkout (its own
 kernels), the two taking turns round by round.
 
-    OMP_NUM_THREADS=2 taskset -c 0-1 .venv/bin/python scripts/bench/bench_decode_attn.py
+    OMP_NUM_THREADS=2 taskset -c 0-1 .venv/bin/python -m benchmarks.decode_attn
     ... --configs 8x512 32x256 --rounds 3 --baseline-root /tmp/base --json
 """
 
@@ -19,20 +18,22 @@ import statistics
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from bench_common import emit, median_ms  # noqa: E402
+from benchmarks import ROOT
+from benchmarks.common import emit, median_ms
 
 HKV, GROUP, DIM, PAGE = 3, 3, 64, 16
 
 
 def measure(root: str, batch: int, ctx: int, layers: int, reps: int) -> float:
-    """ms per layer of the kernel in ``root``'s checkout (run in this process)."""
-    sys.path.insert(0, root)
+    """ms per layer of the kernel in ``root``'s checkout (run in this process, started in
+    ``root``: see :func:`run_in`)."""
     import torch
 
+    import backends
     from backends.runtime.cpu_kernels import paged_decode_op
+
+    where = os.path.dirname(os.path.dirname(os.path.abspath(backends.__file__)))
+    assert os.path.samefile(where, root), f"measuring {where}, not {root}"
 
     op = paged_decode_op()
     g = torch.Generator().manual_seed(0)
@@ -53,9 +54,12 @@ def measure(root: str, batch: int, ctx: int, layers: int, reps: int) -> float:
 
 
 def run_in(root: str, args, batch: int, ctx: int) -> float:
-    cmd = [sys.executable, os.path.abspath(__file__), "--measure", root, "--configs"]
+    """One measurement in a process started in ``root``: ``python -m`` puts the working
+    directory first on the path, so ``backends`` is that checkout's (and this package, when
+    that checkout has none, comes from the installed project)."""
+    cmd = [sys.executable, "-m", "benchmarks.decode_attn", "--measure", root, "--configs"]
     cmd += [f"{batch}x{ctx}", "--layers", str(args.layers), "--reps", str(args.reps)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=root).stdout
     return float(out.strip().splitlines()[-1])
 
 
@@ -73,7 +77,7 @@ def main(argv=None) -> int:
     if args.measure:
         print(measure(args.measure, *configs[0], args.layers, args.reps))
         return 0
-    roots = {"this": os.path.dirname(os.path.dirname(HERE))}
+    roots = {"this": str(ROOT)}
     if args.baseline_root:
         roots["baseline"] = args.baseline_root
     results = []

@@ -4,7 +4,8 @@ computes them (``ModelRunner.forward(..., features=True)``: same dtype, final no
 
 Prompts are generated from templates, each one distinct: instructions over topics, code tasks,
 arithmetic, and two-turn chats. No dataset is read or copied. The held-out split shares no topic
-and no code task with training: evaluation prompts use the last fifth of each list.
+and no code task with training: evaluation prompts use the last fifth of each list (the
+held-out split ``python -m benchmarks.spec --held-out N`` measures acceptance on).
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def responses(runner, prompt_ids: list[list[int]], max_tokens: int, batch: int =
 def features(runner, sequences: list[list[int]], batch: int = 16) -> list[torch.Tensor]:
     """The target's final-norm features of every position of each sequence [T, H] (float32),
     ``batch`` sequences per forward."""
-    from backends.runtime.runner import SeqInput
+    from backends.runtime.paged import SeqInput
 
     feats, t0 = [], time.time()
     for i in range(0, len(sequences), batch):

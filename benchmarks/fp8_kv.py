@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """fp8 KV cache quality: calibrated per-layer scales against a fixed 1.0, with the model-dtype
 KV as the reference, on the same prompts in one run.
 
@@ -10,26 +9,23 @@ For each model (SmolLM2 and the tests' tiny models) and each scale choice:
   mean over the prompts; ``until_near_tie``: the share of prompts whose first difference comes
   at or after the reference's first step with a top-2 logit margin under 0.5 (must be 1.0).
 
-    .venv/bin/python scripts/bench/bench_fp8_kv.py --json
+    .venv/bin/python -m benchmarks.fp8_kv --json
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "helpers"))
+import torch
 
-import torch  # noqa: E402
-from bench_common import emit  # noqa: E402
-
-from backends.runtime import kv_quant  # noqa: E402
-from backends.runtime.engine import LLMEngine  # noqa: E402
-from backends.runtime.runner import ModelRunner, SeqInput  # noqa: E402
-from backends.runtime.sampler import SamplingParams  # noqa: E402
+from backends.runtime import kv_quant
+from backends.runtime.engine import LLMEngine
+from backends.runtime.loader import load_runner
+from backends.runtime.paged import SeqInput
+from backends.runtime.sampler import SamplingParams
+from benchmarks.common import command_line, emit
 
 SMOL = "models/smollm2-135m-instruct"
 TOPICS = ["the moon", "tax law", "sourdough bread", "graph theory", "jazz", "volcanoes",
@@ -91,13 +87,13 @@ def first_low_margin(runner, prompt, out, margin=0.5) -> int:
 
 
 def bench_model(path: str, n_prompts: int, max_tokens: int) -> dict:
-    ref = ModelRunner.load(path)
+    ref = load_runner(path)
     prompts = prompts_for(path, n_prompts)
     want = greedy(ref, prompts, max_tokens)
     lows = [first_low_margin(ref, p, w) for p, w in zip(prompts, want, strict=True)]
     row = {"model": Path(path).name, "prompts": n_prompts, "max_tokens": max_tokens}
     for name in ("calibrated", "scale_1.0"):
-        runner = ModelRunner.load(path, kv_cache_dtype=kv_quant.FP8)
+        runner = load_runner(path, kv_cache_dtype=kv_quant.FP8)
         if name == "scale_1.0":
             runner.set_kv_cache(kv_quant.FP8, (0,) * len(runner.kv_scale_log2))
         got = greedy(runner, prompts, max_tokens)
@@ -121,11 +117,11 @@ def main() -> None:
                     help="tiny test models (random weights) to include")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    import runtime_models as rm
+    from tests.helpers import runtime_models as rm  # the tests' tiny models
 
     paths = [SMOL, *(rm.checkpoint(k) for k in args.tiny)]
     rows = [bench_model(p, args.prompts, args.max_tokens) for p in paths]
-    out = {"command": "scripts/bench/bench_fp8_kv.py " + " ".join(sys.argv[1:]), "models": rows}
+    out = {"command": command_line("benchmarks.fp8_kv"), "models": rows}
     header = ["model", "scales", "KV rel. RMS error", "equal tokens (mean)", "equal until near-tie"]
     emit(out, args.json, header, [
         [r["model"], name, f"{r[name]['kv_rel_rms']:.4f}",

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Linear layers at decode and prefill row counts: the runtime's C++ small-row kernel against
 oneDNN with pre-packed weights and torch's ``F.linear`` (MKL), on one model's shapes.
 
@@ -7,7 +6,7 @@ weights, so they come from memory, not cache, as in a real step), plus the LM he
 sizes (up to ``SMALL_ROWS`` rows; a prefill runs the head on each prompt's last row only), and
 reports the median of ``--reps`` passes in ms. A path that does not apply prints ``-``.
 
-    OMP_NUM_THREADS=2 taskset -c 0-1 .venv/bin/python scripts/bench/bench_linear.py
+    OMP_NUM_THREADS=2 taskset -c 0-1 .venv/bin/python -m benchmarks.linear
     ... --rows 1 8 32 --dtype bfloat16 --json
 """
 
@@ -15,18 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-
-from bench_common import median_ms  # noqa: E402
-
-from backends.runtime.cpu_kernels import cpu_ops  # noqa: E402
-from backends.runtime.kernels import SMALL_ROWS  # noqa: E402
+from backends.runtime.cpu_kernels import cpu_ops
+from backends.runtime.kernels import SMALL_ROWS
+from benchmarks.common import median_ms
 
 # SmolLM2-135M: hidden 576, 9 query and 3 KV heads of 64, MLP 1536, vocabulary 49152
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}

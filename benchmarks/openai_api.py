@@ -5,9 +5,9 @@ endpoint, streaming, ``ignore_eos``, prefix caching off on vLLM (ours has none).
 
 Needs aiperf and the vLLM peer in venvs of their own (never the project's):
 ``python3 -m venv /work/peer/aiperf-venv && /work/peer/aiperf-venv/bin/pip install aiperf==0.13.0``
-and ``scripts/bench/setup_vllm_peer.sh``.
+and ``benchmarks/setup_vllm_peer.sh``.
 
-    .venv/bin/python scripts/bench/bench_openai.py --json
+    .venv/bin/python -m benchmarks.openai_api --json
 """
 
 from __future__ import annotations
@@ -17,15 +17,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import log  # noqa: E402
+from benchmarks import ROOT
+from benchmarks.common import log
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NAME = "smollm2-135m-instruct"
 HTTP_PORT, WARMUP = 8300, 4
 METRICS = {"ttft": "time_to_first_token", "itl": "inter_token_latency",

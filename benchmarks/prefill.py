@@ -10,7 +10,7 @@ token. "serial" sets
 Each run's stages first take one untimed round of the same load (fresh processes touch their
 KV pages and connect to each other then, as a serving stage did long before).
 
-    .venv/bin/python scripts/bench/bench_prefill.py --json
+    .venv/bin/python -m benchmarks.prefill --json
 """
 
 from __future__ import annotations
@@ -19,16 +19,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from bench_common import log, run_meta  # noqa: E402
-from ttft_lib.workers import Stage  # noqa: E402
-
-from backends.stages.params import StageParams  # noqa: E402
+from backends.stages.params import StageParams
+from benchmarks.common import log, run_meta
+from benchmarks.ttft.workers import Stage
 
 
 def _round(prefill: Stage, decode: Stage, rooms: range, length: int) -> dict:

@@ -5,15 +5,14 @@ the context, then times ``--steps`` decode steps (``ModelRunner.decode`` + greed
 the engine runs them) and profiles a few more with ``torch.profiler``. Operator self times are
 grouped into categories; what no operator accounts for is Python and dispatch overhead.
 
-    python scripts/bench/profile_decode.py                      # markdown table, ms per step
-    python scripts/bench/profile_decode.py --configs 8x512 --json
+    .venv/bin/python -m benchmarks.profile_decode               # markdown table, ms per step
+    .venv/bin/python -m benchmarks.profile_decode --configs 8x512 --json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -21,9 +20,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-
-from backends.runtime.runner import ModelRunner  # noqa: E402
+from backends.runtime.loader import load_runner
+from backends.runtime.runner import ModelRunner
 
 CATEGORIES = [  # (category, substrings of operator names), first match wins
     ("KV gather (index_select)", ("index_select",)),
@@ -146,7 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    runner = ModelRunner.load(args.model, dtype=args.dtype)
+    runner = load_runner(args.model, dtype=args.dtype)
     rows = []
     for spec in args.configs:
         b, c = (int(x) for x in spec.lower().split("x"))

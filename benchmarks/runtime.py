@@ -4,28 +4,24 @@ Measures prefill tokens/s (one prompt of each --prefill-lens length) and decode 
 of --batches sequences with a --context-token prompt each, --decode-steps steps). Each number is
 the median of --runs runs. transformers runs its model forward with a DynamicCache.
 
-    python scripts/bench/bench_runtime.py                  # table
-    python scripts/bench/bench_runtime.py --json --runs 5  # one JSON object
+    .venv/bin/python -m benchmarks.runtime                  # table
+    .venv/bin/python -m benchmarks.runtime --json --runs 5  # one JSON object
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-
-from bench_common import log, run_meta  # noqa: E402
-
-from backends.runtime.dtypes import MODEL_DTYPES, model_dtype  # noqa: E402
-from backends.runtime.runner import ModelRunner  # noqa: E402
-from backends.stages.params import StageParams  # noqa: E402
+from backends.runtime.dtypes import MODEL_DTYPES, model_dtype
+from backends.runtime.loader import load_runner
+from backends.stages.params import StageParams
+from benchmarks.common import log, run_meta
 
 
 def median_time(fn, runs: int) -> float:
@@ -46,7 +42,7 @@ class Ours:
     name = "runtime"
 
     def __init__(self, args):
-        self.runner = ModelRunner.load(args.model, dtype=args.dtype, device=args.device)
+        self.runner = load_runner(args.model, dtype=args.dtype, device=args.device)
         self.ps = args.page_size
 
     def prefill(self, ids: list[int]):

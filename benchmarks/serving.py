@@ -3,7 +3,7 @@ each) against two colocated replicas of one core each behind round-robin (the co
 DistServe makes) and against one colocated server on both cores, under Poisson arrivals of short
 chat prompts mixed with long (~2K-token) prompts.
 
-    .venv/bin/python scripts/bench/bench_serving.py --rates 0.2,0.4,0.6 --requests 60 \\
+    .venv/bin/python -m benchmarks.serving --rates 0.2,0.4,0.6 --requests 60 \\
         --out bench_out/serving
 
 Each configuration is started by this script with ``scripts/serve.sh`` under ``taskset``:
@@ -45,7 +45,8 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import ROOT
+
 SERVE = os.path.join(ROOT, "scripts", "serve.sh")
 CORES = 2  # every configuration gets cores 0-1
 LOCAL = 256  # pd-local: the decode server prefills prompts up to this many tokens itself

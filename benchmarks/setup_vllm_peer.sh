@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Build the vLLM CPU peer environment used by scripts/bench/bench_vs_vllm.py.
+# Build the vLLM CPU peer environment used by benchmarks/vs_vllm.py (and benchmarks/openai_api.py).
 #
 # The peer lives OUTSIDE this repository and is never part of the main setup (scripts/setup.sh):
-#   scripts/bench/setup_vllm_peer.sh [VENV_DIR]     # default /work/peer/vllm-venv
+#   benchmarks/setup_vllm_peer.sh [VENV_DIR]     # default /work/peer/vllm-venv
 # Idempotent: an existing venv that already imports vllm is left alone.
 #
 # Notes (checked on the 2-core CI-class machine):
@@ -13,7 +13,7 @@
 set -euo pipefail
 
 VENV="${1:-${VLLM_PEER_VENV:-/work/peer/vllm-venv}}"
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 case "$(realpath -m "$VENV")" in
 "$REPO"/*)
     echo "refusing to build the vLLM peer inside the repository ($VENV)" >&2

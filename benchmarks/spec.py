@@ -10,9 +10,12 @@ the first (the first comes from prefill) over the time of the steps after admiss
 number is the median of --runs runs; the greedy outputs of both engines are compared token for
 token (column ``same``).
 
-    python scripts/bench/bench_spec.py                                  # table
-    python scripts/bench/bench_spec.py --draft-layers 24 28 --spec-tokens 1 2 4 --batches 1
-    python scripts/bench/bench_spec.py --json                           # one JSON object
+    .venv/bin/python -m benchmarks.spec                                  # table
+    .venv/bin/python -m benchmarks.spec --draft-layers 24 28 --spec-tokens 1 2 4 --batches 1
+    .venv/bin/python -m benchmarks.spec --json                           # one JSON object
+
+``--pd`` also runs the largest batch's prompts through a prefill stage in its own process and a
+decode stage in this one (real Mooncake over loopback, :func:`pd_spec_stats`).
 """
 
 from __future__ import annotations
@@ -26,18 +29,15 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-
-from bench_common import log, run_meta  # noqa: E402
-
-from backends.runtime.dtypes import MODEL_DTYPES  # noqa: E402
-from backends.runtime.engine import LLMEngine  # noqa: E402
-from backends.runtime.runner import ModelRunner  # noqa: E402
-from backends.runtime.sampler import SamplingParams  # noqa: E402
-from backends.runtime.spec import DraftSpec, SpecEngine, load_draft  # noqa: E402
-from backends.runtime.spec_eagle import spec_engine  # noqa: E402
-from backends.runtime.tokenizer import Tokenizer  # noqa: E402
-from backends.stages.params import StageParams  # noqa: E402
+from backends.runtime.dtypes import MODEL_DTYPES
+from backends.runtime.engine import LLMEngine
+from backends.runtime.loader import load_runner
+from backends.runtime.sampler import SamplingParams
+from backends.runtime.spec import DraftSpec, SpecEngine, load_draft
+from backends.runtime.spec_eagle import spec_engine
+from backends.runtime.tokenizer import Tokenizer
+from backends.stages.params import StageParams
+from benchmarks.common import log, run_meta
 
 PROMPTS = [
     "What is the capital of France?",
@@ -103,11 +103,52 @@ def batches_of(texts: list[list[int]], b: int, held_out: int) -> list[list[list[
     return [[texts[i % len(texts)] for i in range(b)]]
 
 
+def pd_spec_stats(model: str, draft: str, k: int, prompts: list[list[int]], max_tokens: int,
+                  page_size: int, ignore_eos: bool = False) -> dict:  # fmt: skip
+    """Speculative decoding through PD: a prefill stage in its own process and a decode stage in
+    this one, real Mooncake over loopback, the same prompts as the colocated runs, greedy; ->
+    the decode stage's acceptance counters (the ones ``/metrics`` exports)."""
+    from backends.runtime.config import ModelConfig
+    from backends.stages.decode import DecodeWorker
+    from backends.stages.request import StageRequest
+    from tests.helpers.stagepeer import Collector, PrefillProcess
+
+    per = -(-(max(map(len, prompts)) + max_tokens) // page_size) + 1
+    limit = ModelConfig.from_pretrained(model).max_position_embeddings
+    params = dict(model_dir=model, page_size=page_size, num_pages=per * len(prompts) + 8,
+                  spec_enabled=True, draft_model_dir=draft, spec_tokens=k, spec_max_batch=0,
+                  max_batch=len(prompts), bootstrap_timeout_s=60.0,
+                  max_context=min(limit, 2048), max_tokens_limit=min(limit, 2048) - 1)  # fmt: skip
+    prefill = PrefillProcess(**params)
+    decode = DecodeWorker(StageParams(**params))
+    try:
+        outs = []
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+        for i, ids in enumerate(prompts):  # decode registers first, as in the ensemble
+            c = Collector()
+            decode.submit(StageRequest(room=7000 + i, prompt_ids=ids, sampling=sp,
+                                       bootstrap_addr=prefill.addr, stream=True), c)  # fmt: skip
+            outs.append(c)
+        for i, ids in enumerate(prompts):
+            err = prefill.prefill(7000 + i, ids)[1]
+            if err:
+                raise RuntimeError(f"prefill failed: {err}")
+        for c in outs:
+            if not c.done.wait(600) or c.events[-1].error:
+                raise RuntimeError(f"PD request failed: {c.events[-1].error}")
+        st = decode.stats()
+        return {"outputs": [c.ids for c in outs], "proposed": st["spec_proposed"],
+                "accepted": st["spec_accepted"],
+                "acceptance_rate": st["spec_accepted"] / max(1, st["spec_proposed"]),
+                "mean_accepted_length": st["spec_mean_accepted_length"]}  # fmt: skip
+    finally:
+        decode.close()
+        prefill.stop()
+
+
 def pd_row(args, rows: list[dict], texts: list[list[int]]) -> dict:
     """PD acceptance on the largest batch's prompts against the colocated run of the same
     prompts, draft and k (greedy: both must also give the same tokens)."""
-    from spec_pd import pd_spec_stats
-
     if not args.draft:
         raise SystemExit("--pd needs --draft (a draft checkpoint or an EAGLE head)")
     b, k = max(args.batches), max(args.spec_tokens)
@@ -146,7 +187,7 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", default=None,
                     help="draft checkpoint or EAGLE head directory (else self-draft)")  # fmt: skip
     ap.add_argument("--held-out", type=int, default=0,
-                    help="N held-out prompts of scripts/eagle_data.py (the heads' evaluation"
+                    help="N held-out prompts of benchmarks/eagle_data.py (the heads' evaluation"
                     " split) instead of the 8 fixed ones")  # fmt: skip
     ap.add_argument("--draft-layers", type=int, nargs="+", default=[28], help="self-draft K")
     ap.add_argument("--spec-tokens", type=int, nargs="+", default=[1, 2], help="k per step")
@@ -171,7 +212,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    target = ModelRunner.load(args.model, dtype=args.dtype, device=args.device)
+    target = load_runner(args.model, dtype=args.dtype, device=args.device)
     drafts = (
         {f"draft {os.path.basename(args.draft.rstrip('/'))}": load_draft(target, path=args.draft)}
         if args.draft
@@ -185,8 +226,7 @@ def main(argv=None) -> int:
             torch.randint(3, vocab, (args.random_prompts,), generator=g).tolist() for _ in range(8)
         ]
     elif args.held_out:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-        import eagle_data
+        from benchmarks import eagle_data
 
         convs = eagle_data.prompts(args.held_out, seed=1, held_out=True)
         texts = eagle_data.encode(Tokenizer(args.model), convs)

@@ -1,11 +1,10 @@
-#!/usr/bin/env python3
 """Tensor-parallel step time against one rank: a decode step (B sequences, one token each, after a
 prompt of ``--context`` tokens) and a prefill, median of ``--reps`` in ms, per ``--sizes``.
 
 Each size runs in the same process one after the other; rank 0 and every worker get
 ``cores // size`` torch threads (at least 1), as ``scripts/generate.py`` gives them.
 
-    .venv/bin/python scripts/bench/bench_tp.py --sizes 1 3 --batch 1 8 --json
+    .venv/bin/python -m benchmarks.tp --sizes 1 3 --batch 1 8 --json
 """
 
 from __future__ import annotations
@@ -15,18 +14,16 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-
-from bench_common import median_ms  # noqa: E402
-
-from backends.runtime.runner import ModelRunner, SeqInput  # noqa: E402
+from backends.runtime.loader import load_runner
+from backends.runtime.paged import SeqInput
+from benchmarks.common import median_ms
 
 
 def bench(args, size: int) -> dict:
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    runner = ModelRunner.load(args.model, dtype=args.dtype, tensor_parallel_size=size)
+    runner = load_runner(args.model, dtype=args.dtype, tensor_parallel_size=size)
     try:
         out = {"tp": size}
         page = 16

@@ -15,8 +15,8 @@ Per served token: ITL = engine step (CPU + wait for cores) + loop gap, and the d
 (client arrival - the latest step hand-off before it: postprocess, ensemble, gRPC, the OpenAI
 front, HTTP) added to every token. Per request: TTFT = wait before prefill starts + prefill.
 
-    .venv/bin/python scripts/bench/trace_split.py --json   # then, the old batching:
-    .venv/bin/python scripts/bench/trace_split.py --json --set prefill.prefill_batch_tokens=4096
+    .venv/bin/python -m benchmarks.trace_split --json   # then, the old batching:
+    .venv/bin/python -m benchmarks.trace_split --json --set prefill.prefill_batch_tokens=4096
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import glob
 import json
-import os
 import random
 import subprocess
 import sys
@@ -34,7 +33,8 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import ROOT
+
 HTTP_PORT, OPENAI_PORT = 8310, 9310
 WORDS = "the cat sat on a mat while dogs ran over green hills and quiet rivers".split()
 

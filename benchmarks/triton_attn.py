@@ -2,23 +2,19 @@
 over fragmented pages (SDPA reads the same keys gathered into contiguous rows first, which it is
 not timed for), relative error against a float32 SDPA, median times and TFLOP/s. Needs a GPU.
 
-    python scripts/bench/bench_triton_attn.py --json
-    python scripts/bench/bench_triton_attn.py --block-n 32   # the kernel with another key tile
+    .venv/bin/python -m benchmarks.triton_attn --json
+    .venv/bin/python -m benchmarks.triton_attn --block-n 32   # the kernel with another key tile
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-
-from bench_common import emit  # noqa: E402
-
-from backends.runtime import triton_attn as ta  # noqa: E402
+from backends.runtime import triton_attn as ta
+from benchmarks.common import emit
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -72,7 +68,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench_triton_attn.py needs a CUDA GPU")
+        sys.exit("benchmarks.triton_attn needs a CUDA GPU")
     if args.block_n:
         tiles = ta._tiles
         ta._tiles = lambda *a: (*tiles(*a)[:3], args.block_n)

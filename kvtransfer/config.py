@@ -53,7 +53,7 @@ class TransferConfig:
     kv_checksum: prefill sends a CRC32C per entry and layer of the room's KV in Complete and
         decode verifies it over the bytes that landed before the room may run (checksum.py);
         a mismatch fails the room. Both sides must agree (it is part of the fingerprint).
-    identity: the stage's model identity (kvtransfer/identity.py); with it, decode sends its
+    identity: the stage's model identity (protocol/identity.py); with it, decode sends its
         fingerprint in every Register and prefill refuses a different one at once.
     """
 

@@ -18,14 +18,12 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from backends.runtime.dtypes import MODEL_DTYPES  # noqa: E402
-from backends.runtime.engine import LLMEngine  # noqa: E402
-from backends.runtime.kv_quant import KV_CACHE_DTYPES  # noqa: E402
-from backends.runtime.runner import ModelRunner  # noqa: E402
-from backends.runtime.sampler import SamplingParams  # noqa: E402
-from backends.stages.params import StageParams  # noqa: E402
+from backends.runtime.dtypes import MODEL_DTYPES
+from backends.runtime.engine import LLMEngine
+from backends.runtime.kv_quant import KV_CACHE_DTYPES
+from backends.runtime.loader import load_runner
+from backends.runtime.sampler import SamplingParams
+from backends.stages.params import StageParams
 
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
@@ -89,7 +87,7 @@ def main(argv=None) -> int:
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
-    runner = ModelRunner.load(
+    runner = load_runner(
         args.model, dtype=args.dtype, device=args.device, tensor_parallel_size=tp,
         kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip

@@ -15,9 +15,9 @@
 # 2. byte-exact grouped KV transfers between OS processes from CUDA pools (GQA and MLA);
 # 3. end to end through tritonserver with prefill and decode placed on GPUs (two GPUs when there
 #    are two: --prefill-gpus 0 --decode-gpus 1; else both on GPU 0), greedy == transformers;
-# 4. benchmarks on CUDA: TTFT colocated / serial / pipelined (bench_ttft --quick), KV transfer
-#    vs raw Mooncake (bench_transfer), decode tok/s vs transformers (bench_runtime), the Triton
-#    prefill attention vs SDPA (bench_triton_attn).
+# 4. benchmarks on CUDA (python -m benchmarks.NAME; the checks are named bench_NAME): TTFT
+#    colocated / serial / pipelined (ttft --quick), KV transfer vs raw Mooncake (transfer), decode
+#    tok/s vs transformers (runtime), the Triton prefill attention vs SDPA (triton_attn).
 # Steps 2-3 and the transfer/TTFT benchmarks need Mooncake and tritonserver: without them they are
 # listed as SKIPPED with the reason. PD_PYTHON: a Python with CUDA torch other than .venv's.
 # Writes logs and JSON to DIR (default bench_out/gpu) and prints a summary table at the end.
@@ -58,7 +58,7 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, remember pass/fail, go on
 why_missing() {  # why_missing CMD...: nothing if CMD succeeds, else its last line of errors
   local err; err="$("$@" 2>&1 >/dev/null)" && return 0; tail -n 1 <<<"$err"
 }
-MISSING_MOONCAKE="$(why_missing "$VPY" -c 'from kvtransfer.engine import _load_transfer_engine as f; f()')"
+MISSING_MOONCAKE="$(why_missing "$VPY" -c 'from kvtransfer.link.engine import _load_transfer_engine as f; f()')"
 MISSING_TRITON="$(why_missing "$VPY" scripts/triton_paths.py)"
 skip() { [ -z "$ONLY" ] || [[ "$ONLY" == *",$1,"* ]] || return 0; STATUS+=("$1: SKIPPED ($2)"); echo "skipped: $2"; }
 
@@ -87,21 +87,21 @@ fi
 step "4/4 benchmarks on CUDA"
 REQ=5; [ "$QUICK" = 1 ] && REQ=2
 if [ -n "$MISSING_MOONCAKE" ]; then skip bench_transfer "$MISSING_MOONCAKE"; else
-  run bench_transfer "$VPY" scripts/bench/bench_transfer.py --device cuda --requests "$REQ" --json
+  run bench_transfer "$VPY" -m benchmarks.transfer --device cuda --requests "$REQ" --json
 fi
 if [ -n "$MISSING_MOONCAKE$MISSING_TRITON" ]; then
   skip bench_ttft "$MISSING_MOONCAKE$MISSING_TRITON"
 else
-  run bench_ttft "$VPY" scripts/bench/bench_ttft.py --quick --device cuda --out "$OUT/ttft" --json
+  run bench_ttft "$VPY" -m benchmarks.ttft --quick --device cuda --out "$OUT/ttft" --json
 fi
-run bench_runtime "$VPY" scripts/bench/bench_runtime.py --device cuda --runs 3 --json
-run bench_runtime_sdpa env PD_RUNTIME_ATTENTION=sdpa "$VPY" scripts/bench/bench_runtime.py \
+run bench_runtime "$VPY" -m benchmarks.runtime --device cuda --runs 3 --json
+run bench_runtime_sdpa env PD_RUNTIME_ATTENTION=sdpa "$VPY" -m benchmarks.runtime \
   --device cuda --runs 3 --json
-run bench_runtime_fp16 "$VPY" scripts/bench/bench_runtime.py --device cuda --runs 3 \
+run bench_runtime_fp16 "$VPY" -m benchmarks.runtime --device cuda --runs 3 \
   --dtype float16 --json
-run bench_runtime_eager env PD_RUNTIME_CUDA_GRAPHS=0 "$VPY" scripts/bench/bench_runtime.py \
+run bench_runtime_eager env PD_RUNTIME_CUDA_GRAPHS=0 "$VPY" -m benchmarks.runtime \
   --device cuda --runs 3 --json
-run bench_triton_attn "$VPY" scripts/bench/bench_triton_attn.py --json
+run bench_triton_attn "$VPY" -m benchmarks.triton_attn --json
 
 step "summary"
 printf '%s\n' "${STATUS[@]}"

@@ -28,10 +28,9 @@ import re
 import shutil
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from backends.stages.params import SCHEMA, STAGES, parse_params, stages_of
 
-from backends.stages.params import SCHEMA, STAGES, parse_params, stages_of  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SRC = os.path.join(ROOT, "model_repository")
 ROLES = {  # the models each server role serves

@@ -39,7 +39,7 @@ if [ "$TARGET" = cuda ]; then
   HAS_CUDA=1
   TORCH_SPEC="torch"
   # the CUDA build of Mooncake links libcudart.so.12; the wheel below provides it whatever CUDA
-  # major torch uses (kvtransfer/engine.py loads it from there when the system has none)
+  # major torch uses (kvtransfer/link/engine.py loads it from there when the system has none)
   MOONCAKE="mooncake-transfer-engine==0.3.13.post1 nvidia-cuda-runtime-cu12"
 else
   HAS_CUDA=0

@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # core, multi-token forwards on a 2-core host slowed ~10x (measured).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" GLOG_minloglevel="${GLOG_minloglevel:-2}"
 echo "[test] ruff"
-"$VPY" -m ruff check backends kvtransfer scripts tests model_repository
+"$VPY" -m ruff check backends kvtransfer scripts tests model_repository benchmarks
 echo "[test] pytest"
 if [ $# -gt 0 ] || [ "${PD_TEST_PARALLEL:-0}" != 1 ]; then
   exec "$VPY" -m pytest -ra --durations=15 "$@"

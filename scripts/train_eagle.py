@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Train an EAGLE draft head (``backends/runtime/eagle.py``) for a target checkpoint, on this
 machine, from the target's own responses to the project's generated prompts
-(``scripts/eagle_data.py``), and write a checkpoint that ``--draft DIR`` / ``draft_model_dir``
+(``benchmarks/eagle_data.py``), and write a checkpoint that ``--draft DIR`` / ``draft_model_dir``
 load.
 
 The head: ``fc([embed(x_{i+1}) ; f_i])`` -> one Llama decoder layer -> ``g_i`` -> LM head over a
@@ -38,14 +38,12 @@ import time
 import torch
 import torch.nn.functional as F
 
+from backends.runtime.eagle import head_checkpoint_config, save_head
+from backends.runtime.loader import load_runner
+from backends.runtime.runner import ModelRunner
+from benchmarks import eagle_data as data
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import eagle_data as data  # noqa: E402
-
-from backends.runtime.eagle import head_checkpoint_config, save_head  # noqa: E402
-from backends.runtime.runner import ModelRunner  # noqa: E402
 
 
 class HeadModule(torch.nn.Module):
@@ -244,11 +242,11 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     t0 = time.time()
-    target = ModelRunner.load(args.target, device="cpu")  # training runs on CPU
+    target = load_runner(args.target, device="cpu")  # training runs on CPU
     rdtype = args.response_dtype
     if rdtype == "auto":
         rdtype = "bfloat16" if use_bf16("auto") else "float32"
-    writer = target if rdtype == "float32" else ModelRunner.load(args.target, dtype=rdtype)
+    writer = target if rdtype == "float32" else load_runner(args.target, dtype=rdtype)
     train, held = (build_data(target, writer, args, h) for h in (False, True))
     del writer
     t_data = time.time() - t0

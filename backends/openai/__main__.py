@@ -17,15 +17,27 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
     ap.add_argument("--port", type=int, default=9000)
     ap.add_argument("--grpc-url", default="127.0.0.1:8001", help="the server's Triton gRPC port")
-    ap.add_argument("--model-name", action="append", default=[],
-                    help="name(s) clients use for the model (default: the checkpoint directory's"
-                         " name, and 'ensemble')")  # fmt: skip
+    ap.add_argument(
+        "--model-name",
+        action="append",
+        default=[],
+        help="name(s) clients use for the model (default: the checkpoint directory's"
+        " name, and 'ensemble')",
+    )
     ap.add_argument("--model-dir", default="models/smollm2-135m-instruct")
     ap.add_argument("--ensemble", default="ensemble", help="the Triton model to call")
-    ap.add_argument("--max-inflight", type=int, default=4096,
-                    help="requests at once; past it new ones get 503 with Retry-After")  # fmt: skip
-    ap.add_argument("--server-pid", type=int, default=0,
-                    help="exit when this process (the tritonserver) is gone")  # fmt: skip
+    ap.add_argument(
+        "--max-inflight",
+        type=int,
+        default=4096,
+        help="requests at once; past it new ones get 503 with Retry-After",
+    )
+    ap.add_argument(
+        "--server-pid",
+        type=int,
+        default=0,
+        help="exit when this process (the tritonserver) is gone",
+    )
     a = ap.parse_args()
     if a.server_pid:
         threading.Thread(target=_exit_with, args=(a.server_pid,), daemon=True).start()

@@ -54,9 +54,11 @@ class Front:
         if req.stream:
             # released by the stream's end, or by the background task when the client went
             # away before the stream began (the generator's own finally never runs then)
-            return StreamingResponse(self._sse(out, first, chunks, release),
-                                     media_type="text/event-stream",
-                                     background=BackgroundTask(release))  # fmt: skip
+            return StreamingResponse(
+                self._sse(out, first, chunks, release),
+                media_type="text/event-stream",
+                background=BackgroundTask(release),
+            )
         try:
             out.add(first)
             while not first.finish_reason:
@@ -142,8 +144,11 @@ class Answer:
 
     def usage(self) -> dict:
         n = len(self.ids)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n,
-                "total_tokens": self.prompt_tokens + n}  # fmt: skip
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": self.prompt_tokens + n,
+        }
 
     def head(self, suffix: str = "") -> dict:
         obj = {"chat": "chat.completion", "completion": "text_completion"}[self.kind]
@@ -186,9 +191,9 @@ class Answer:
             top = sorted(entry.values(), key=lambda e: e["rank"])[:n]
             rows.append((chosen, top))
         if self.kind == "chat":
-            return {"content": [
-                {**_lp(c), "top_logprobs": [_lp(t) for t in top]} for c, top in rows
-            ]}  # fmt: skip
+            return {
+                "content": [{**_lp(c), "top_logprobs": [_lp(t) for t in top]} for c, top in rows]
+            }
         offsets = []
         for c, _ in rows:
             offsets.append(self.offset)
@@ -231,8 +236,10 @@ def create_app(
 
     @app.get("/v1/models")
     async def models():
-        data = [{"id": n, "object": "model", "created": front.created, "owned_by": "pd-triton"}
-                for n in names]  # fmt: skip
+        data = [
+            {"id": n, "object": "model", "created": front.created, "owned_by": "pd-triton"}
+            for n in names
+        ]
         return {"object": "list", "data": data}
 
     async def body(http: Request) -> dict:

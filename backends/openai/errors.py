@@ -13,12 +13,16 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = ""):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.kind = kind or {400: "invalid_request_error", 404: "not_found_error",
-                             503: "server_overloaded"}.get(status, "server_error")  # fmt: skip
+        self.kind = kind or {
+            400: "invalid_request_error",
+            404: "not_found_error",
+            503: "server_overloaded",
+        }.get(status, "server_error")
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": None}}  # fmt: skip
+        return {
+            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}
+        }
 
     def response(self) -> JSONResponse:
         headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else None

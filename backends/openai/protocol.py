@@ -98,14 +98,16 @@ def _refuse_common(req: _Common) -> None:
 def _sampling_inputs(req: _Common, max_tokens: int | None) -> dict[str, np.ndarray]:
     inp: dict[str, np.ndarray] = {}
     scalars = {
-        "temperature": (req.temperature, np.float32), "top_p": (req.top_p, np.float32),
+        "temperature": (req.temperature, np.float32),
+        "top_p": (req.top_p, np.float32),
         "top_k": (req.top_k, np.int32),
         "seed": (None if req.seed is None else req.seed % SEED_MOD, np.int64),
         "presence_penalty": (req.presence_penalty, np.float32),
         "frequency_penalty": (req.frequency_penalty, np.float32),
         "repetition_penalty": (req.repetition_penalty, np.float32),
-        "ignore_eos": (req.ignore_eos, np.bool_), "max_tokens": (max_tokens, np.int32),
-    }  # fmt: skip
+        "ignore_eos": (req.ignore_eos, np.bool_),
+        "max_tokens": (max_tokens, np.int32),
+    }
     for name, (value, dtype) in scalars.items():
         if value is not None:
             inp[name] = np.array([value], dtype=dtype)

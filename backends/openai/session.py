@@ -18,8 +18,13 @@ import tritonclient.grpc.aio as aio
 
 from .errors import APIError, from_server
 
-_DTYPES = {np.float32: "FP32", np.int32: "INT32", np.int64: "INT64", np.bool_: "BOOL",
-           np.object_: "BYTES"}  # fmt: skip
+_DTYPES = {
+    np.float32: "FP32",
+    np.int32: "INT32",
+    np.int64: "INT64",
+    np.bool_: "BOOL",
+    np.object_: "BYTES",
+}
 
 
 @dataclass

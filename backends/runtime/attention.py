@@ -39,8 +39,9 @@ def _project(o: Linear, x: torch.Tensor, residual, rows) -> torch.Tensor:
     return o(x) if residual is None else o.add(x, residual)
 
 
-def attend(q, k_new, k_cache, meta, scale, kernels, v_new=None, v_cache=None, v_dim=None,
-           kv_scales=None):
+def attend(
+    q, k_new, k_cache, meta, scale, kernels, v_new=None, v_cache=None, v_dim=None, kv_scales=None
+):
     """Paged attention (see :func:`~backends.runtime.paged.paged_attention` for the shapes),
     through the runtime's kernels where one is chosen and available: on CUDA (``auto``) the
     Triton paged kernel for every kind but a lone prompt from position 0 (SDPA's flash kernel,
@@ -131,8 +132,9 @@ class GQAAttention:
             ks, vs = self.kv_scales or (None, None)
             write_kv(k_cache, meta, k, ks)
             write_kv(v_cache, meta, v, vs)
-        out = attend(q, k, k_cache, meta, self.scale, self.kernels, v, v_cache,
-                     kv_scales=self.kv_scales)  # [T, H, D]  # fmt: skip
+        out = attend(
+            q, k, k_cache, meta, self.scale, self.kernels, v, v_cache, kv_scales=self.kv_scales
+        )  # [T, H, D]
         return _project(self.o, out.reshape(T, H * D), residual, rows)
 
 
@@ -189,7 +191,8 @@ class MLAAttention:
         q_lat = torch.einsum("thd,hdr->thr", q_nope, self.w_uk)  # [T, H, R]
         q_full = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, R + dr]
         # values are the latent's first R channels: [T, H, R]
-        out_lat = attend(q_full, new, cache, meta, self.scale, self.kernels, v_dim=R,
-                         kv_scales=self.kv_scales)  # fmt: skip
+        out_lat = attend(
+            q_full, new, cache, meta, self.scale, self.kernels, v_dim=R, kv_scales=self.kv_scales
+        )
         out = torch.einsum("thr,hvr->thv", out_lat, self.w_uv)  # [T, H, dv]
         return _project(self.o, out.reshape(T, H * self.dv), residual, rows)

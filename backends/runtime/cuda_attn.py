@@ -52,8 +52,16 @@ def kernels_ok() -> bool:
     return _module is not False
 
 
-def cuda_attention(q: Tensor, k_cache: Tensor, v_cache, v_dim, meta: BatchMeta, scale: float,
-                   kv_scales=(1.0, 1.0), strict: bool = False):
+def cuda_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache,
+    v_dim,
+    meta: BatchMeta,
+    scale: float,
+    kv_scales=(1.0, 1.0),
+    strict: bool = False,
+):
     """q: [T, H, Dk]; k_cache: [S, Hkv, Dk]; v_cache: [S, Hkv, Dv] or None with ``v_dim`` (MLA:
     the latent's first channels) -> [T, H, Dv], or None off CUDA or where the kernel cannot run
     (the caller goes eager). ``kv_scales``: (K, V) scales of an fp8 pool. ``strict``: a failure
@@ -66,10 +74,21 @@ def cuda_attention(q: Tensor, k_cache: Tensor, v_cache, v_dim, meta: BatchMeta, 
         return None
     try:
         return kernels.paged_attention(
-            q, k_cache, v_cache, meta.page_table, meta.cu_q, meta.starts, meta.max_q,
-            meta.page_size, scale, v_dim=v_dim, window=meta.window,
-            max_ctx=meta.read_slots.shape[1], k_scale=kv_scales[0], v_scale=kv_scales[-1],
-        )  # fmt: skip
+            q,
+            k_cache,
+            v_cache,
+            meta.page_table,
+            meta.cu_q,
+            meta.starts,
+            meta.max_q,
+            meta.page_size,
+            scale,
+            v_dim=v_dim,
+            window=meta.window,
+            max_ctx=meta.read_slots.shape[1],
+            k_scale=kv_scales[0],
+            v_scale=kv_scales[-1],
+        )
     except Exception as e:  # a Triton compile error, an unsupported GPU, ...
         if strict:
             raise

@@ -34,8 +34,9 @@ from .config import ModelConfig
 from .dtypes import model_dtype
 from .kernels import KernelSettings, Linear
 from .model import DecoderLayer
+from .paged import SeqInput
 from .rope import RotaryEmbedding
-from .runner import ModelRunner, SeqInput
+from .runner import ModelRunner
 from .weights import WeightReader, load_weights
 
 EAGLE_KEY = "eagle"
@@ -51,20 +52,36 @@ def head_config(path: str) -> dict | None:
         return None
 
 
-def head_checkpoint_config(target: ModelConfig, heads: int, kv_heads: int, head_dim: int,
-                           intermediate: int, draft_vocab: int | None) -> dict:
+def head_checkpoint_config(
+    target: ModelConfig,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    draft_vocab: int | None,
+) -> dict:
     """config.json of a head for ``target`` (a one-layer Llama with the ``eagle`` block)."""
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": target.hidden_size, "num_hidden_layers": 1,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "intermediate_size": intermediate, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "vocab_size": target.vocab_size, "tie_word_embeddings": False,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": target.hidden_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": intermediate,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "vocab_size": target.vocab_size,
+        "tie_word_embeddings": False,
         "max_position_embeddings": target.max_position_embeddings,
-        EAGLE_KEY: {"version": 1, "feature": "final_norm",
-                    "draft_vocab_size": draft_vocab or target.vocab_size,
-                    "target_hidden_size": target.hidden_size},
-    }  # fmt: skip
+        EAGLE_KEY: {
+            "version": 1,
+            "feature": "final_norm",
+            "draft_vocab_size": draft_vocab or target.vocab_size,
+            "target_hidden_size": target.hidden_size,
+        },
+    }
 
 
 def save_head(path: str, config: dict, tensors: dict[str, torch.Tensor]) -> None:
@@ -135,8 +152,10 @@ class EagleHead(ModelRunner):
         H = self.config.hidden_size
         for s, f in zip(seqs, feats, strict=True):
             if f.shape != (len(s.token_ids), H):
-                raise ValueError(f"EAGLE head: features {tuple(f.shape)} for"
-                                 f" {len(s.token_ids)} tokens of hidden {H}")  # fmt: skip
+                raise ValueError(
+                    f"EAGLE head: features {tuple(f.shape)} for"
+                    f" {len(s.token_ids)} tokens of hidden {H}"
+                )
 
     @torch.inference_mode()
     def forward_head(
@@ -156,8 +175,13 @@ class EagleHead(ModelRunner):
         m = self.model
         meta = self._meta(pool, [(s.start_pos, len(s.token_ids), s.pages) for s in seqs])
         ids = self._ids([t for s in seqs for t in s.token_ids])
-        x = torch.cat([torch.nn.functional.embedding(ids, m.embed_tokens),
-                       torch.cat(feats).to(m.embed_tokens.dtype)], dim=-1)  # fmt: skip
+        x = torch.cat(
+            [
+                torch.nn.functional.embedding(ids, m.embed_tokens),
+                torch.cat(feats).to(m.embed_tokens.dtype),
+            ],
+            dim=-1,
+        )
         g = m.layers[0](m.fc(x), meta, pool.tensor[0])  # [T, H]
         sizes = meta.lengths
         if last_only:

@@ -37,7 +37,8 @@ import torch
 
 from .detok import TextState
 from .kv_pool import KVPool
-from .runner import ModelRunner, SeqInput
+from .paged import SeqInput
+from .runner import ModelRunner
 from .sampler import SamplingParams, TokenLogprob, sample, token_logprobs
 from .sequence import FinishReason, SeqStatus, Sequence, check_context
 

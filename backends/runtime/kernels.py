@@ -9,7 +9,7 @@ Three settings, read from the environment when a model loads (``KernelSettings.f
   loaded); more rows
   (prefill) run torch's ``F.linear`` (MKL's sgemm), in bfloat16 on a CPU without bf16 GEMM
   instructions on the operands widened to float32 (``slow_bf16_gemm``). Elsewhere ``F.linear``.
-  Measured on the 2-core AVX2 CI machine (``scripts/bench/bench_linear.py``: SmolLM2's 30
+  Measured on the 2-core AVX2 CI machine (``python -m benchmarks.linear``: SmolLM2's 30
   layers of projections with distinct cold weights, + the LM head up to 64 rows, ms): float32,
   small-row kernel / oneDNN on pre-packed weights (what ``auto`` ran before) / ``F.linear``:
   1 row 20.3 / 25.1 / 41.9; 8 rows 30.4 / 36.8 / 70.4; 32 rows 74.3 / 77.2 / 106.4; 64 rows
@@ -157,7 +157,7 @@ def slow_bf16_gemm() -> bool:
 PACKED_FROM_ROWS = 9  # AVX-512 hosts: oneDNN's packed GEMM from this many rows (crossover: 8-16)
 # bfloat16 weights on a CPU with bf16 GEMM instructions (AVX512-BF16 / AMX): oneDNN's packed
 # copy from this many rows (see the module docstring; before it, F.linear from 5 rows:
-# bench_linear.py --dtype bfloat16 on the AMX host, ms, small-row kernel / F.linear: 2 rows
+# benchmarks.linear --dtype bfloat16 on the AMX host, ms, small-row kernel / F.linear: 2 rows
 # 13.5 / 16.9; 4 rows 13.8 / 15.6; 5 rows 19.7 / 16.5; 32 rows 81.6 / 26.7)
 BF16_GEMM_FROM_ROWS = 3
 
@@ -173,9 +173,8 @@ def packed_weight(weight: torch.Tensor, settings: KernelSettings) -> torch.Tenso
     if weight.dtype == torch.bfloat16:
         ok = not slow_bf16_gemm()
     else:
-        ok = weight.dtype == torch.float32 and torch.backends.cpu.get_cpu_capability() in (
-            "AVX512", "AMX"
-        )
+        cpu = torch.backends.cpu.get_cpu_capability()
+        ok = weight.dtype == torch.float32 and cpu in ("AVX512", "AMX")
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if ok else None
 
 
@@ -211,9 +210,12 @@ class Linear:
         each packed apart, for :meth:`silu_mul`. False (nothing changed) where none is packed,
         for float32 (one GEMM and the C++ ``silu_mul`` on 16-float vectors were 0.3-2 % faster
         at 128-2,048 rows) or with ``PD_RUNTIME_FUSED=torch``."""
-        if self.packed is None or settings.fused != "auto" or (biases[0] is None) != (
-            biases[1] is None
-        ) or gate.dtype == torch.float32:
+        if (
+            self.packed is None
+            or settings.fused != "auto"
+            or (biases[0] is None) != (biases[1] is None)
+            or gate.dtype == torch.float32
+        ):
             return False
         self.packed = None  # one packed copy of the weights in memory, not two
         pairs = zip((gate, up), biases, strict=True)

@@ -13,7 +13,7 @@ largest magnitude inside 448. Deterministic for a checkpoint, dtype and device t
 stages compute the same scales. Attention always sees the stored values, on every device and
 kind of forward (a prefill, which attends to its new K/V without reading the pool back, rounds
 them as the pool does), so a chunked prompt equals an unchunked one and CPU equals CUDA.
-``scripts/bench/bench_fp8_kv.py`` measures the calibrated
+``python -m benchmarks.fp8_kv`` measures the calibrated
 scales against a fixed 1.0 on the test models.
 """
 
@@ -33,8 +33,9 @@ CALIBRATION_TOKENS = 256
 def resolve(kv_cache_dtype: str, model_dtype: str) -> str:
     """The pool dtype name of a ``kv_cache_dtype`` choice (``auto``: the model's dtype)."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
-                         f"got {kv_cache_dtype!r}")  # fmt: skip
+        raise ValueError(
+            f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        )
     return model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
 
 

@@ -28,13 +28,24 @@ mask. On CUDA every kind reads the pages in place through ``page_table`` with th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
 from .kv_quant import dequantize, is_fp8, write_rows
+
+
+@dataclass
+class SeqInput:
+    """New tokens of one sequence: written at positions [start_pos, start_pos + len), their KV
+    into ``pages`` (the sequence's whole page table). A forward takes a list of these and builds
+    one :class:`BatchMeta` from their ``(start_pos, len(token_ids), pages)``."""
+
+    token_ids: list[int]
+    start_pos: int
+    pages: list[int] = field(default_factory=list)
 
 
 @dataclass

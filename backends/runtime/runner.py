@@ -1,4 +1,4 @@
-"""ModelRunner: load a checkpoint and run prefill / batched extend over a paged KV pool.
+"""ModelRunner: run prefill / batched extend / decode of one model over a paged KV pool.
 
 No scheduling here (see :mod:`backends.runtime.engine`); the runner only turns (tokens, positions,
 pages) into logits and KV writes.
@@ -8,35 +8,33 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from kvtransfer import EntryLayout
 
-from . import kv_quant
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, graphs_requested
-from .dtypes import model_dtype
 from .kv_pool import KVPool, OutOfPagesError
 from .model import CausalLM
-from .paged import BatchMeta
-from .weights import WeightReader, load_weights
+from .paged import BatchMeta, SeqInput
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class SeqInput:
-    """New tokens of one sequence: written at positions [start_pos, start_pos + len)."""
-
-    token_ids: list[int]
-    start_pos: int
-    pages: list[int] = field(default_factory=list)
-
-
 class ModelRunner:
-    def __init__(self, config: ModelConfig, model: CausalLM, dtype: str, device: str):
+    """One model on one device (a checkpoint is loaded into one by
+    :func:`~backends.runtime.loader.load_runner`).
+
+    ``graphs``: whether decode may replay CUDA graphs where the model and device allow them
+    (:attr:`use_graphs`). The loader asks for them for a single-rank model, and a self-draft
+    for its target's layers; a tensor-parallel rank never does (a replayed step would run rank
+    0's shard without the other ranks), nor an EAGLE head (its own forward).
+    """
+
+    def __init__(
+        self, config: ModelConfig, model: CausalLM, dtype: str, device: str, graphs: bool = False
+    ):
         self.config = config
         self.model = model
         self.dtype = dtype
@@ -46,56 +44,15 @@ class ModelRunner:
         # decode steps from CUDA graphs (unless PD_RUNTIME_CUDA_GRAPHS=0; GQA models on CUDA
         # with the Triton attention); tests may set use_graphs / graph_factory to run them on CPU
         self.use_graphs = (
-            graphs_requested()
+            graphs
+            and graphs_requested()
             and self.device.type == "cuda"
             and config.attn == "gqa"
-            and type(self) is ModelRunner  # not a tensor-parallel rank
             # the graphs' step buffers serve the Triton kernel only, not gather + SDPA
             and model.kernels.attention in ("auto", "triton")
         )
         self.graph_factory = None
         self._graphs: dict[int, DecodeGraphs | None] = {}
-
-    @classmethod
-    def load(
-        cls,
-        path: str,
-        *,
-        dtype: str = "float32",
-        device: str | list[str] = "cpu",
-        num_layers: int | None = None,
-        tensor_parallel_size: int = 1,
-        kv_cache_dtype: str = "auto",
-    ) -> ModelRunner:
-        """Load ``path``; ``num_layers=K`` keeps the first K layers (a self-draft model);
-        ``kv_cache_dtype``: ``auto`` (the model's dtype) or ``float8_e4m3fn`` (calibrated scales,
-        :mod:`~backends.runtime.kv_quant`).
-
-        ``tensor_parallel_size`` N > 1 (or a list of N devices, one per rank): this process is
-        rank 0 of N and starts ranks 1..N-1 as worker processes it owns
-        (:class:`~backends.runtime.tp_runner.TPModelRunner`; call :meth:`close` to stop them).
-        """
-        kv_dtype = kv_quant.resolve(kv_cache_dtype, dtype)
-        if tensor_parallel_size != 1 or not isinstance(device, str):
-            from .tp_runner import TPModelRunner
-
-            if kv_dtype != dtype:
-                raise ValueError("kv_cache_dtype float8_e4m3fn is not supported with "
-                                 "tensor parallelism yet (use auto)")  # fmt: skip
-
-            return TPModelRunner.start(
-                path, dtype=dtype, device=device, num_layers=num_layers, size=tensor_parallel_size
-            )
-        torch_dtype = model_dtype(dtype)
-        config = ModelConfig.from_pretrained(path)
-        if num_layers is not None:
-            config = config.truncated(num_layers)
-        tensors = load_weights(path, config.num_layers, torch_dtype, device)
-        model = CausalLM(config, WeightReader(tensors, path), device, torch_dtype)
-        runner = cls(config, model, dtype, device)
-        if kv_dtype != dtype:
-            runner.set_kv_cache(kv_dtype, kv_quant.calibrate(runner))
-        return runner
 
     def set_kv_cache(self, kv_dtype: str, scale_log2: tuple[int, ...]) -> None:
         """Store this model's KV as ``kv_dtype`` with these scales (fp8; pools made later)."""
@@ -104,7 +61,7 @@ class ModelRunner:
             raise ValueError(f"{len(scale_log2)} KV scales for {self.config.num_layers} layers")
         self.kv_dtype, self.kv_scale_log2 = kv_dtype, tuple(scale_log2)
         for i, layer in enumerate(self.model.layers):
-            layer.attn.kv_scales = tuple(2.0 ** e for e in scale_log2[i * comps : (i + 1) * comps])
+            layer.attn.kv_scales = tuple(2.0**e for e in scale_log2[i * comps : (i + 1) * comps])
 
     # ---- KV pool -----------------------------------------------------------------------------
     def entry_layout(self, num_pages: int, page_size: int, role: str = "target") -> EntryLayout:

@@ -50,7 +50,9 @@ import torch
 from .eagle import EagleHead, head_config
 from .engine import LLMEngine, StepOutput
 from .kv_pool import KVPool
-from .runner import ModelRunner, SeqInput
+from .loader import load_runner
+from .paged import SeqInput
+from .runner import ModelRunner
 from .sampler import SamplingParams, TokenLogprob, _filter, penalize, scaled, token_logprobs
 from .sequence import Sequence
 
@@ -63,7 +65,7 @@ def self_draft(target: ModelRunner, num_layers: int) -> ModelRunner:
     model = copy.copy(target.model)  # shallow: every tensor is the target's own
     model.cfg = config
     model.layers = target.model.layers[:num_layers]
-    draft = ModelRunner(config, model, target.dtype, str(target.device))
+    draft = ModelRunner(config, model, target.dtype, str(target.device), graphs=True)
     if target.kv_scale_log2:  # fp8: the shared layers' scales
         comps = len(target.kv_scale_log2) // target.config.num_layers
         draft.set_kv_cache(target.kv_dtype, target.kv_scale_log2[: num_layers * comps])
@@ -85,8 +87,13 @@ def load_draft(
     if head_config(path) is not None:  # an EAGLE head (spec_eagle.spec_engine runs it)
         return EagleHead.load_head(path, target)
     kv = "auto" if target.kv_dtype == target.dtype else target.kv_dtype  # fp8: its own scales
-    draft = ModelRunner.load(path, dtype=target.dtype, device=str(target.device),
-                             tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv)
+    draft = load_runner(
+        path,
+        dtype=target.dtype,
+        device=str(target.device),
+        tensor_parallel_size=tensor_parallel_size,
+        kv_cache_dtype=kv,
+    )
     check_compatible(target, draft)
     return draft
 
@@ -384,8 +391,15 @@ class SpecEngine(LLMEngine):
     def _verify_logits(self, seqs: list[Sequence], inputs: list[SeqInput]) -> list:
         return self.runner.forward(self.pool, inputs)
 
-    def _accept(self, seq: Sequence, tokens: list[int], m: int, proposed: int, out: StepOutput,
-                logprobs: list[TokenLogprob | None] | None = None) -> None:  # fmt: skip
+    def _accept(
+        self,
+        seq: Sequence,
+        tokens: list[int],
+        m: int,
+        proposed: int,
+        out: StepOutput,
+        logprobs: list[TokenLogprob | None] | None = None,
+    ) -> None:
         # draft KV is valid only where the fed tokens were accepted
         seq.draft_len = min(seq.draft_len, seq.num_tokens + m)
         seq.num_proposed += proposed

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .eagle import EagleHead
-from .runner import SeqInput
+from .paged import SeqInput
 from .sequence import Sequence
 from .spec import DraftSpec, SpecEngine, _penalised_rows
 
@@ -68,9 +68,10 @@ class EagleSpecEngine(SpecEngine):
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = [
-            i for i, k in enumerate(ks)
+            i
+            for i, k in enumerate(ks)
             if k > 0 and seqs[i].draft_feats is not None and len(seqs[i].draft_feats)
-        ]  # fmt: skip
+        ]
         inputs, feats = [], []
         for i in active:  # catch up the real features
             s = seqs[i]
@@ -88,8 +89,10 @@ class EagleSpecEngine(SpecEngine):
             j += 1
             keep = [(i, g) for i, g in zip(active, outs, strict=True) if ks[i] > j]
             active = [i for i, _ in keep]
-            inputs = [SeqInput([drafts[i][-1]], seqs[i].draft_len + j - 1, seqs[i].draft_pages)
-                      for i in active]  # fmt: skip
+            inputs = [
+                SeqInput([drafts[i][-1]], seqs[i].draft_len + j - 1, seqs[i].draft_pages)
+                for i in active
+            ]
             feats = [g for _, g in keep]  # the head's own predicted features
         return drafts, qs
 

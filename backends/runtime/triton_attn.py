@@ -56,8 +56,9 @@ NUM_WARPS = 8
 def _load_rows(rows, cols, n_cols: tl.constexpr, ok, scale, like, FP8: tl.constexpr):
     """[len(rows), len(cols)] from row start pointers ``rows``; fp8 rows dequantized with
     ``scale`` into ``like``'s dtype."""
-    x = tl.load(rows[:, None] + cols[None, :], mask=ok[:, None] & (cols[None, :] < n_cols),
-                other=0.0)  # fmt: skip
+    x = tl.load(
+        rows[:, None] + cols[None, :], mask=ok[:, None] & (cols[None, :] < n_cols), other=0.0
+    )
     if FP8:
         x = (x.to(tl.float32) * scale).to(like.dtype)
     return x
@@ -72,8 +73,11 @@ def _slots(pages, k_pos, k_ok, PAGE_SIZE: tl.constexpr):
 
 @triton.jit
 def _store_rows(rows, cols, n_cols: tl.constexpr, ok, x):
-    tl.store(rows[:, None] + cols[None, :], x.to(rows.dtype.element_ty),
-             mask=ok[:, None] & (cols[None, :] < n_cols))  # fmt: skip
+    tl.store(
+        rows[:, None] + cols[None, :],
+        x.to(rows.dtype.element_ty),
+        mask=ok[:, None] & (cols[None, :] < n_cols),
+    )
 
 
 @triton.jit
@@ -109,6 +113,9 @@ def _online_softmax(s, seen, m_i, l_i, acc):
     return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
 
 
+# The kernels' argument lists and their launches stay one row per role (tensors; scalars;
+# strides; constexprs) instead of one argument per line, so the formatter skips them: a launch
+# reads against its kernel's signature row by row.
 @triton.jit
 def _paged_attn_kernel(
     Q, K, V, Out, PageTable, CuQ, Starts, Lse,
@@ -156,8 +163,8 @@ def _paged_attn_kernel(
         k = _load_rows(k_rows, dm, D_MAIN, k_ok, k_scale, q, FP8)
         s = _dot_t(q, k, F32_DOT)
         if D_TAIL > 0:
-            s += _dot_t(q_tail, _load_rows(k_rows + D_MAIN, dt, D_TAIL, k_ok, k_scale, q, FP8),
-                        F32_DOT)  # fmt: skip
+            k_tail = _load_rows(k_rows + D_MAIN, dt, D_TAIL, k_ok, k_scale, q, FP8)
+            s += _dot_t(q_tail, k_tail, F32_DOT)
         seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > w_lo[:, None])
         p, m_i, l_i, acc = _online_softmax(s * (scale * 1.4426950408889634), seen, m_i, l_i, acc)
         if V_IS_K:
@@ -168,12 +175,12 @@ def _paged_attn_kernel(
     o_rows = Out + split * stride_os + (q0 + t) * stride_ot + head * stride_oh
     _store_rows(o_rows, dv, DV, row_ok, acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None])
     if SPLIT:  # this split's log-sum-exp (base 2, scaled scores); -inf where it saw no key
-        tl.store(Lse + split * stride_ls + (q0 + t) * stride_lt + head, m_i + tl.log2(l_i),
-                 mask=row_ok)  # fmt: skip
+        lse_rows = Lse + split * stride_ls + (q0 + t) * stride_lt + head
+        tl.store(lse_rows, m_i + tl.log2(l_i), mask=row_ok)
 
 
 @triton.jit
-def _combine_splits_kernel(
+def _combine_splits_kernel(  # rows by role, as _paged_attn_kernel's
     PartO, Lse, Out, num_splits,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
     DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -187,8 +194,11 @@ def _combine_splits_kernel(
     m = tl.max(lse, 0)  # finite: the split holding the query's own key saw it
     w = tl.exp2(lse - m)
     d = tl.arange(0, BLOCK_DV)
-    o = tl.load(PartO + sp[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
-                mask=ok[:, None] & (d[None, :] < DV), other=0.0)  # fmt: skip
+    o = tl.load(
+        PartO + sp[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
+        mask=ok[:, None] & (d[None, :] < DV),
+        other=0.0,
+    )
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < DV)
 

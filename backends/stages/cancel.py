@@ -1,4 +1,5 @@
-"""Client-cancel side channel: postprocess -> decode, one :class:`~kvtransfer.messages.Cancel`.
+"""Client-cancel side channel: postprocess -> decode, one
+:class:`~kvtransfer.protocol.messages.Cancel`.
 
 Why: Triton ensembles cancel only the steps they schedule AFTER the client cancelled, never the
 step already running. Decode's request is running for the whole generation, so it never sees

@@ -25,11 +25,18 @@ import numpy as np
 
 # sampling_parameters keys taken as the input of the same name (or the name given)
 _JSON_KEYS = {
-    "max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
-    "top_k": "top_k", "seed": "seed", "stop": "stop", "stop_token_ids": "stop_token_ids",
-    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-    "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
-}  # fmt: skip
+    "max_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "ignore_eos": "ignore_eos",
+}
 # keys whose only accepted value is the one this server implements anyway
 _JSON_FIXED = {"n": 1, "best_of": 1, "skip_special_tokens": True, "detokenize": True}
 

@@ -33,11 +33,14 @@ def load_stage_draft(params: StageParams, target: ModelRunner) -> ModelRunner | 
         return None
     if params.draft_path:
         if head_config(params.draft_path) is not None and params.tensor_parallel_size > 1:
-            raise ValueError("an EAGLE head (draft_model_dir) reads the target's features, which"
-                             " tensor_parallel_size > 1 does not return yet")  # fmt: skip
+            raise ValueError(
+                "an EAGLE head (draft_model_dir) reads the target's features, which"
+                " tensor_parallel_size > 1 does not return yet"
+            )
         try:
-            return load_draft(target, path=params.draft_path,
-                              tensor_parallel_size=params.tensor_parallel_size)  # fmt: skip
+            return load_draft(
+                target, path=params.draft_path, tensor_parallel_size=params.tensor_parallel_size
+            )
         except (OSError, ValueError) as e:
             raise ValueError(f"parameter draft_model_dir {params.draft_model_dir!r}: {e}") from e
     if params.tensor_parallel_size > 1:

@@ -81,12 +81,9 @@ def reference_table() -> str:
 def ensemble_body() -> str:
     """The ensemble's inputs, outputs and steps: preprocess -> prefill -> decode ->
     postprocess (one REQUEST tensor between the first three, one RESPONSE after decode)."""
-    pre = "".join(
-        f'      input_map {{ key: "{t.name}" value: "{t.name}" }}\n' for t in INPUTS
-    )
-    post = "".join(
-        f'      output_map {{ key: "{t.name}" value: "{t.name}" }}\n' for t in OUTPUTS
-    )
+    pre = "".join(f'      input_map {{ key: "{t.name}" value: "{t.name}" }}\n' for t in INPUTS)
+    post = "".join(f'      output_map {{ key: "{t.name}" value: "{t.name}" }}\n' for t in OUTPUTS)
+    # a table, one step a row (model, its input_map, its output_map): `fmt: skip` keeps it one
     steps = [
         ("preprocess", pre, '      output_map { key: "REQUEST" value: "request" }\n'),
         ("prefill", '      input_map { key: "REQUEST" value: "request" }\n',
@@ -100,9 +97,10 @@ def ensemble_body() -> str:
         for m, i, o in steps
     )
     return (
-        pbtxt("input", INPUTS, True) + pbtxt("output", OUTPUTS, False)
+        pbtxt("input", INPUTS, True)
+        + pbtxt("output", OUTPUTS, False)
         + f"ensemble_scheduling {{\n  step [\n{body}\n  ]\n}}\n"
-    )  # fmt: skip
+    )
 
 
 GENERATED = {  # config.pbtxt of a model -> its generated part

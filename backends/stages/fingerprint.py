@@ -1,4 +1,4 @@
-"""A stage's deployment identity (kvtransfer/identity.py) from its parameters.
+"""A stage's deployment identity (kvtransfer/protocol/identity.py) from its parameters.
 
 The model's identity is a digest of its checkpoint: ``config.json`` and every weight file
 (``*.safetensors``, ``*.bin``, ``*.gguf``), names and contents, BLAKE2b. Hashing is done once per
@@ -66,8 +66,10 @@ def draft_identity(path: str) -> str:
     digest = checkpoint_digest(path)
     if head is None:
         return f"model {digest}"
-    return (f"eagle v{head.get('version')} (feature {head.get('feature')}, draft vocab"
-            f" {head.get('draft_vocab_size')}) {digest}")  # fmt: skip
+    return (
+        f"eagle v{head.get('version')} (feature {head.get('feature')}, draft vocab"
+        f" {head.get('draft_vocab_size')}) {digest}"
+    )
 
 
 def stage_identity(p: StageParams) -> Identity:
@@ -81,10 +83,19 @@ def stage_identity(p: StageParams) -> Identity:
     return Identity(checkpoint_digest(p.model_path), name, draft, kv)
 
 
+def deployment_identity(p: StageParams) -> Identity | None:
+    """:func:`stage_identity`, computed once per process and checkpoint; None when the
+    checkpoint cannot be read (its load fails with the real error)."""
+    try:
+        return stage_identity(p)
+    except (OSError, ValueError):
+        return None
+
+
 def stage_fingerprint(p: StageParams) -> Fingerprint | None:
     """The full fingerprint (protocol, key id of the secret in effect, identity); None when the
     checkpoint cannot be read (then nothing is checked against it)."""
-    ident = p.identity()
+    ident = deployment_identity(p)
     return None if ident is None else fingerprint(ident, p.secret or None, PROTOCOL_VERSION)
 
 

@@ -45,7 +45,7 @@ class Observations:
         return out
 
     def request_done(self, t: dict[str, float]) -> None:
-        """A decode request ended; ``t``: its timestamps (time.time(); decode_state.py)."""
+        """A decode request ended; ``t``: its timestamps (time.time(); decode/state.py)."""
         sub = t.get("submitted")
         if sub is None:
             return

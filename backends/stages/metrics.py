@@ -5,7 +5,7 @@ keys below; the Triton glue exports the ones a stage reports (counters from the 
 is) with labels ``stage`` and ``instance``. ``docs/metrics.md`` is generated from this table.
 Failures by reason are one more counter family, ``pd_kv_transfer_failures_total{reason}``, and
 so are refusals of another deployment's peers, ``pd_incompatible_refusals_total{reason}``;
-``pd_deployment_info`` carries the stage's fingerprint (kvtransfer/identity.py) as labels.
+``pd_deployment_info`` carries the stage's fingerprint (kvtransfer/protocol/identity.py) as labels.
 """
 
 from __future__ import annotations
@@ -25,17 +25,23 @@ FAILURES = Metric(
     "pd_kv_transfer_failures_total", C, "failures", "KV transfers that failed, by reason"
 )
 REFUSALS = Metric(
-    "pd_incompatible_refusals_total", C, "refusals",
+    "pd_incompatible_refusals_total",
+    C,
+    "refusals",
     "Peers of another deployment refused (prefill) or refusing (decode, router), by reason:"
     " secret / model / draft / kv / protocol differ",
-)  # fmt: skip
+)
 INFO = Metric(
-    "pd_deployment_info", G, "",
+    "pd_deployment_info",
+    G,
+    "",
     "Always 1; its labels are the stage's deployment fingerprint (protocol, key_id of the"
     " secret, model digest, model_name, draft, kv): what a router compares before routing",
-)  # fmt: skip
+)
 BY_REASON = (FAILURES, REFUSALS)
 
+# The tables below keep `fmt: skip`: one row per metric (name, kind, key, then its doc continued
+# under it); formatted, each row would spread over six lines and the table would not read as one.
 METRICS = [
     Metric("pd_ready", G, "ready",
            "1 when the stage can serve, else 0 (a decode server's router: no compatible"
@@ -100,6 +106,7 @@ _S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 _ITL = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 _BYTES = [float(1 << (16 + 2 * i)) for i in range(9)]  # 64 KiB .. 4 GiB, x4
 # Prometheus histograms (Triton 2.51 python backend: MetricFamily.HISTOGRAM), per stage instance
+# (a table, `fmt: skip` as METRICS)
 HISTOGRAMS = [
     Histogram("pd_request_ttft_seconds", "ttft", _S,
               "Time to first token per request (decode submit -> first token), s"),
@@ -118,7 +125,7 @@ HISTOGRAMS = [
 
 
 # A decode server's router, per prefill server (label ``server`` = HOST:GRPC_PORT); keys of
-# PrefillRouter.stats()["servers"][server].
+# PrefillRouter.stats()["servers"][server] (a table, `fmt: skip` as METRICS).
 ROUTER_METRICS = [
     Metric("pd_router_requests_total", C, "dispatched", "Requests routed to the prefill server"),
     Metric("pd_router_prompt_tokens_total", C, "tokens", "Prompt tokens routed to it"),

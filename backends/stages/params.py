@@ -6,6 +6,10 @@ that use it, and its documentation; ``docs/configuration.md`` is generated from 
 (``scripts/gen_docs.py``, checked by a test). Values arrive from Triton as strings:
 :func:`parse_params` converts them and raises ``ValueError`` naming the parameter and what it
 accepts, so a bad config fails the model load. A ``config.pbtxt`` lists only what it sets.
+
+A leaf: no I/O, and no stage module but the layer-group policy's dataclass. What needs the
+checkpoint's files (the deployment identity, :mod:`.fingerprint`) is computed by a stage and
+passed in (:meth:`StageParams.transfer_config`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import os
 import re
 from dataclasses import dataclass, field, fields, replace
 
-from kvtransfer import PROTOCOLS, TransferConfig
+from kvtransfer import PROTOCOLS, Identity, TransferConfig
 
 from ..runtime.device import resolve_device
 from ..runtime.dtypes import MODEL_DTYPES
@@ -41,44 +45,75 @@ def _p(default, stages: tuple[str, ...], doc: str):
 
 @dataclass(frozen=True)
 class StageParams:
-    model_dir: str = _p(DEFAULT_MODEL, IDENTITY, "HF checkpoint directory (relative to the"
-                        " repository root, or absolute)")  # fmt: skip
+    model_dir: str = _p(
+        DEFAULT_MODEL,
+        IDENTITY,
+        "HF checkpoint directory (relative to the repository root, or absolute)",
+    )
     dtype: str = _p("float32", PDR, f"model and KV dtype: {' or '.join(MODEL_DTYPES)}")
-    kv_cache_dtype: str = _p("auto", PDR, "`auto` (the model's `dtype`) or `float8_e4m3fn`: fp8"
-                             " KV with calibrated per-layer scales (half of bfloat16's bytes in"
-                             " the pool and on the wire); prefill and decode must agree, scales"
-                             " included (checked at handshake)")  # fmt: skip
+    kv_cache_dtype: str = _p(
+        "auto",
+        PDR,
+        "`auto` (the model's `dtype`) or `float8_e4m3fn`: fp8 KV with calibrated per-layer scales"
+        " (half of bfloat16's bytes in the pool and on the wire); prefill and decode must agree,"
+        " scales included (checked at handshake)",
+    )
     device: str = _p(
         "auto",
         PD,
         "`auto` (the instance's GPU with `KIND_GPU`, else `cuda:0` when torch sees a GPU, else"
         " `cpu`), `cpu`, `cuda`, `cuda:N`; the log names the device chosen",
     )
-    page_size: int = _p(16, PDR, "tokens per KV page; prefill and decode must agree (checked at"
-                        " handshake)")  # fmt: skip
+    page_size: int = _p(
+        16, PDR, "tokens per KV page; prefill and decode must agree (checked at handshake)"
+    )
     num_pages: int = _p(512, PD, "KV pool pages per instance")
-    tensor_parallel_size: int = _p(1, PD, "ranks of the stage's model: rank 0 in the instance,"
-                                   " 1..N-1 worker processes it owns (GPUs: the instance's"
-                                   " device and the next N-1)")  # fmt: skip
+    tensor_parallel_size: int = _p(
+        1,
+        PD,
+        "ranks of the stage's model: rank 0 in the instance, 1..N-1 worker processes it owns"
+        " (GPUs: the instance's device and the next N-1)",
+    )
     max_batch: int = _p(16, ("decode",), "sequences per continuous-batching step")
     max_context: int = _p(2048, ("preprocess", "decode"), "limit on prompt + `max_tokens`")
-    max_tokens_limit: int = _p(1024, ("preprocess", "decode"), "largest `max_tokens` a request"
-                               " may ask for (< `max_context`)")  # fmt: skip
-    default_max_tokens: int = _p(256, ("preprocess",), "`max_tokens` of a request that gives none"
-                                 " (capped by `max_tokens_limit` and context left)")  # fmt: skip
-    max_prefill_tokens: int = _p(4096, ("prefill",), "prompt tokens per prefill forward; a longer"
-                                 " prompt goes in chunks of it (chunked prefill)")  # fmt: skip
-    prefill_batch_tokens: int = _p(512, ("prefill",), "rooms decode registered are batched while"
-                                   " their prompts fit it (each member's first token waits for"
-                                   " the whole batch); capped by `max_prefill_tokens`")  # fmt: skip
-    prefill_gather_ms: float = _p(20.0, ("prefill",), "a forward waits at most this long for"
-                                  " rooms submitted as long ago that decode has not registered"
-                                  " yet, to batch a burst; 0 = off")  # fmt: skip
-    lg_enabled: bool = _p(_LG.enabled, ("prefill",), "layer-grouped KV streaming; `false` sends"
-                          " the whole KV after prefill")  # fmt: skip
+    max_tokens_limit: int = _p(
+        1024,
+        ("preprocess", "decode"),
+        "largest `max_tokens` a request may ask for (< `max_context`)",
+    )
+    default_max_tokens: int = _p(
+        256,
+        ("preprocess",),
+        "`max_tokens` of a request that gives none (capped by `max_tokens_limit` and context left)",
+    )
+    max_prefill_tokens: int = _p(
+        4096,
+        ("prefill",),
+        "prompt tokens per prefill forward; a longer prompt goes in chunks of it (chunked prefill)",
+    )
+    prefill_batch_tokens: int = _p(
+        512,
+        ("prefill",),
+        "rooms decode registered are batched while their prompts fit it (each member's first token"
+        " waits for the whole batch); capped by `max_prefill_tokens`",
+    )
+    prefill_gather_ms: float = _p(
+        20.0,
+        ("prefill",),
+        "a forward waits at most this long for rooms submitted as long ago that decode has not"
+        " registered yet, to batch a burst; 0 = off",
+    )
+    lg_enabled: bool = _p(
+        _LG.enabled,
+        ("prefill",),
+        "layer-grouped KV streaming; `false` sends the whole KV after prefill",
+    )
     lg_min_tokens: int = _p(_LG.min_tokens, ("prefill",), "prompts shorter than this: 1 group")
-    lg_min_groups: int = _p(_LG.min_groups, ("prefill",), "groups at and above"
-                            " `lg_sat_multiplier` x `lg_min_tokens` tokens")  # fmt: skip
+    lg_min_groups: int = _p(
+        _LG.min_groups,
+        ("prefill",),
+        "groups at and above `lg_sat_multiplier` x `lg_min_tokens` tokens",
+    )
     lg_max_groups: int = _p(_LG.max_groups, ("prefill",), "groups at `lg_min_tokens` tokens")
     lg_sat_multiplier: float = _p(
         _LG.sat_multiplier, ("prefill",), "where the group count reaches `lg_min_groups`"
@@ -111,15 +146,15 @@ class StageParams:
     allow_insecure: bool = _p(
         False,
         PD,
-        "allow a non-loopback `bootstrap_host` without a shared secret (unsigned control"
-        " messages on the network); without it such a config fails the load",
+        "allow a non-loopback `bootstrap_host` without a shared secret (unsigned control messages"
+        " on the network); without it such a config fails the load",
     )
     max_queue: int = _p(
         4096,
         PD,
         "requests a stage holds waiting (prefill: for decode's pages or for compute; decode: for"
-        " KV pages); past it new requests get `overloaded, retry later` (UNAVAILABLE) at once;"
-        " a waiting request costs only its prompt ids (bursts queue)",
+        " KV pages); past it new requests get `overloaded, retry later` (UNAVAILABLE) at once; a"
+        " waiting request costs only its prompt ids (bursts queue)",
     )
     queue_timeout_s: float = _p(
         _TC.queue_timeout_s,
@@ -144,31 +179,43 @@ class StageParams:
         "speculative decoding: prefill also sends the draft's prompt KV, decode drafts and"
         " verifies; must be equal in both stages (checked at handshake)",
     )
-    draft_model_dir: str = _p("", PDR, "draft checkpoint (a supported family with the target's"
-                              ' vocabulary) or an EAGLE head (scripts/train_eagle.py); `""` ='
-                              " self-draft")  # fmt: skip
+    draft_model_dir: str = _p(
+        "",
+        PDR,
+        "draft checkpoint (a supported family with the target's vocabulary) or an EAGLE head"
+        ' (scripts/train_eagle.py); `""` = self-draft',
+    )
     draft_layers: int = _p(
         24,
         PDR,
         "self-draft: keep the target's first N layers (+ final norm and head); < target layers",
     )
     spec_tokens: int = _p(2, ("decode",), "draft tokens proposed per verify step (k)")
-    spec_max_batch: int = _p(2, ("decode",), "a step of more running sequences drafts nothing"
-                             " (on CPU, k + 1 verify rows each then cost more than they save, see"
-                             " docs/serving.md); 0 = no limit (GPUs)")  # fmt: skip
+    spec_max_batch: int = _p(
+        2,
+        ("decode",),
+        "a step of more running sequences drafts nothing (on CPU, k + 1 verify rows each then cost"
+        " more than they save, see docs/serving.md); 0 = no limit (GPUs)",
+    )
     prefill_servers: str = _p(
         "",
         ROUTED,
         "decode server role: the prefill servers, `HOST:GRPC_PORT[:METRICS_PORT],...` (metrics"
-        " port default GRPC_PORT + 1); the router forwards each request to the one with the"
-        " fewest queued prompt tokens; `serve.sh --prefill-servers` sets it",
+        " port default GRPC_PORT + 1); the router forwards each request to the one with the fewest"
+        " queued prompt tokens; `serve.sh --prefill-servers` sets it",
     )
-    route_timeout_s: float = _p(10.0, ROUTED, "how long a prefill server may take to accept a"
-                                " forwarded request (and to answer a probe: 1/4 of it); past it"
-                                " the server is marked down and the next one is tried")  # fmt: skip
-    probe_interval_s: float = _p(0.5, ROUTED, "the router polls each prefill server's queue"
-                                 " metric (and probes a server marked down for readiness) this"
-                                 " often")  # fmt: skip
+    route_timeout_s: float = _p(
+        10.0,
+        ROUTED,
+        "how long a prefill server may take to accept a forwarded request (and to answer a probe:"
+        " 1/4 of it); past it the server is marked down and the next one is tried",
+    )
+    probe_interval_s: float = _p(
+        0.5,
+        ROUTED,
+        "the router polls each prefill server's queue metric (and probes a server marked down for"
+        " readiness) this often",
+    )
     local_prefill_max_tokens: int = _p(
         0,
         ("router",),
@@ -178,8 +225,8 @@ class StageParams:
     local_prefill_busy_tokens: int = _p(
         0,
         ("router",),
-        "prefill locally too when every prefill server that is up has more queued prompt"
-        " tokens than this (or none is up); `0` = never for load",
+        "prefill locally too when every prefill server that is up has more queued prompt tokens"
+        " than this (or none is up); `0` = never for load",
     )
     kv_checksum: bool = _p(
         False,
@@ -199,8 +246,10 @@ class StageParams:
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"parameter dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"parameter kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got"
-                             f" {self.kv_cache_dtype!r}")  # fmt: skip
+            raise ValueError(
+                f"parameter kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got"
+                f" {self.kv_cache_dtype!r}"
+            )
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(
                 f"parameter device must be auto, cpu, cuda or cuda:N, got {self.device!r}"
@@ -210,9 +259,17 @@ class StageParams:
                 f"parameter transport must be one of {PROTOCOLS}, got {self.transport!r}"
             )
         positive = (
-            "page_size", "num_pages", "max_batch", "max_context", "max_tokens_limit", "max_queue",
-            "default_max_tokens", "max_prefill_tokens", "prefill_batch_tokens",
-            "tensor_parallel_size")  # fmt: skip
+            "page_size",
+            "num_pages",
+            "max_batch",
+            "max_context",
+            "max_tokens_limit",
+            "max_queue",
+            "default_max_tokens",
+            "max_prefill_tokens",
+            "prefill_batch_tokens",
+            "tensor_parallel_size",
+        )
         for name in (*positive, "draft_layers", "spec_tokens", "failover_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(
@@ -223,8 +280,12 @@ class StageParams:
                 f"parameter max_tokens_limit ({self.max_tokens_limit}) must be smaller than"
                 f" max_context ({self.max_context}): a prompt needs at least one token"
             )
-        zero_is_off = ("lg_fixed_group_size", "local_prefill_max_tokens",
-                       "local_prefill_busy_tokens", "prefill_gather_ms")  # fmt: skip
+        zero_is_off = (
+            "lg_fixed_group_size",
+            "local_prefill_max_tokens",
+            "local_prefill_busy_tokens",
+            "prefill_gather_ms",
+        )
         for name in zero_is_off:
             if getattr(self, name) < 0:
                 raise ValueError(f"parameter {name} must be >= 0 (0 = off)")
@@ -232,7 +293,7 @@ class StageParams:
             raise ValueError("parameters route_timeout_s and probe_interval_s must be > 0")
         self.servers()  # prefill_servers parses
         self.policy()  # LayerGroupPolicy checks its own ranges
-        cfg = self.transfer_config(identity=False)  # and TransferConfig its own
+        cfg = self.transfer_config()  # and TransferConfig its own
         if not cfg.is_loopback and cfg.shared_secret is None and not self.allow_insecure:
             raise ValueError(
                 f"bootstrap_host {self.bootstrap_host} is not a loopback address but no shared"
@@ -289,20 +350,12 @@ class StageParams:
         except ValueError as e:
             raise ValueError(f"layer-group parameters (lg_*): {e}") from None
 
-    def identity(self):
-        """The deployment identity (model / draft digests, KV dtype and page size), computed
-        once per process and checkpoint; None when the checkpoint cannot be read (its load
-        fails with the real error)."""
-        from .fingerprint import stage_identity  # hashes files: only where a stage needs it
-
-        try:
-            return stage_identity(self)
-        except (OSError, ValueError):
-            return None
-
-    def transfer_config(self, instance_index: int = 0, identity: bool = True) -> TransferConfig:
-        """The kvtransfer settings; with ``identity`` they carry the deployment identity (see
-        kvtransfer/identity.py: Register carries it, prefill refuses another one)."""
+    def transfer_config(
+        self, instance_index: int = 0, identity: Identity | None = None
+    ) -> TransferConfig:
+        """The kvtransfer settings; ``identity``: the deployment identity they carry (a stage
+        computes it, :func:`.fingerprint.deployment_identity`; Register carries it, prefill
+        refuses another one: kvtransfer/protocol/identity.py)."""
         port = self.bootstrap_port + instance_index if self.bootstrap_port else 0
         try:
             return TransferConfig(
@@ -315,7 +368,7 @@ class StageParams:
                 queue_timeout_s=self.queue_timeout_s,
                 shared_secret=self.secret or None,
                 kv_checksum=self.kv_checksum,
-                identity=self.identity() if identity else None,
+                identity=identity,
             )
         except ValueError as e:
             raise ValueError(f"transfer parameters: {e}") from None

@@ -80,9 +80,11 @@ def logprob_extra(lp: TokenLogprob | None) -> dict:
     if lp is None:
         return {}
     return {
-        "lp": lp.logprob, "lp_rank": lp.rank,
-        "lp_top_ids": [t for t, _ in lp.top], "lp_top": [v for _, v in lp.top],
-    }  # fmt: skip
+        "lp": lp.logprob,
+        "lp_rank": lp.rank,
+        "lp_top_ids": [t for t, _ in lp.top],
+        "lp_top": [v for _, v in lp.top],
+    }
 
 
 def first_logprob(extra: dict, token: int, sampling: SamplingParams) -> TokenLogprob | None:

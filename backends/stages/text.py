@@ -132,9 +132,12 @@ class Preprocessor:
         check_context(len(ids), sampling.max_tokens, p.max_context)
         flag = {k: inputs.get(k) is not None and as_bool(scalar(k, inputs[k])) for k in FLAGS}
         return StageRequest(
-            room=new_room(), prompt_ids=ids, sampling=sampling, stream=flag["stream"],
+            room=new_room(),
+            prompt_ids=ids,
+            sampling=sampling,
+            stream=flag["stream"],
             echo=flag["echo"],
-        )  # fmt: skip
+        )
 
 
 FLAGS = ("stream", "echo")
@@ -183,11 +186,15 @@ class Postprocessor:
             return "null"
         out = []
         for lp in res.logprobs:
-            entry = {str(t): {"logprob": v, "rank": i + 1, "decoded_token": self.piece(t)}
-                     for i, (t, v) in enumerate(lp.top)}  # fmt: skip
+            entry = {
+                str(t): {"logprob": v, "rank": i + 1, "decoded_token": self.piece(t)}
+                for i, (t, v) in enumerate(lp.top)
+            }
             entry[str(lp.token)] = {
-                "logprob": lp.logprob, "rank": lp.rank, "decoded_token": self.piece(lp.token),
-            }  # fmt: skip
+                "logprob": lp.logprob,
+                "rank": lp.rank,
+                "decoded_token": self.piece(lp.token),
+            }
             out.append(entry)
         return json.dumps(out)
 

@@ -1,9 +1,9 @@
 """Tensor parallelism in the stages: the stage's model over ``tensor_parallel_size`` ranks, and
-its worker ranks' KV agents (:mod:`kvtransfer.rank_agent`), through which every rank's KV shard
+its worker ranks' KV agents (:mod:`kvtransfer.tp.agent`), through which every rank's KV shard
 moves between a prefill and a decode of any TP sizes (the kvtransfer handshake pairs them).
 
 Rank 0 is the stage as with one rank (engine, scheduler, sampling, page allocator, control
-plane); ranks 1..N-1 are worker processes it owns (:mod:`backends.runtime.tp_runner`).
+plane); ranks 1..N-1 are worker processes it owns (:mod:`backends.runtime.tp.runner`).
 """
 
 from __future__ import annotations
@@ -11,17 +11,21 @@ from __future__ import annotations
 from kvtransfer import TransferConfig
 
 from ..runtime.device import resolve_device
+from ..runtime.loader import load_runner
 from ..runtime.runner import ModelRunner
-from ..runtime.tp_runner import TPModelRunner
+from ..runtime.tp.runner import TPModelRunner
 from .params import StageParams
 
 
 def load_stage_model(params: StageParams) -> ModelRunner:
     """The stage's target model, on ``tensor_parallel_size`` ranks (its draft: draft.py)."""
-    return ModelRunner.load(params.model_path, dtype=params.dtype,
-                            device=resolve_device(params.device),
-                            tensor_parallel_size=params.tensor_parallel_size,
-                            kv_cache_dtype=params.kv_cache_dtype)  # fmt: skip
+    return load_runner(
+        params.model_path,
+        dtype=params.dtype,
+        device=resolve_device(params.device),
+        tensor_parallel_size=params.tensor_parallel_size,
+        kv_cache_dtype=params.kv_cache_dtype,
+    )
 
 
 def rank_agents(cfg: TransferConfig, slots: int, runners: dict, pools: dict) -> list:
@@ -33,8 +37,10 @@ def rank_agents(cfg: TransferConfig, slots: int, runners: dict, pools: dict) -> 
         if not isinstance(runner, TPModelRunner):
             continue
         if not cfg.staging_slot_bytes:
-            raise ValueError("tensor_parallel_size > 1 moves KV through staging slots: keep"
-                             " staging_slot_bytes > 0")  # fmt: skip
+            raise ValueError(
+                "tensor_parallel_size > 1 moves KV through staging slots:"
+                " keep staging_slot_bytes > 0"
+            )
         agents += runner.kv_agents({role: pools[role]}, cfg, slots, cfg.staging_slot_bytes)
     return agents
 

@@ -1,5 +1,5 @@
-"""Frames for the control-plane fuzzer (scripts/fuzz_control.py): each call returns one frame
-for a target ("prefill", "decode" or "cancel"), drawn from these kinds:
+"""Frames for the control-plane fuzzer (:mod:`benchmarks.fuzz_control.run`): each call returns
+one frame for a target ("prefill", "decode" or "cancel"), drawn from these kinds:
 
 * garbage: random bytes of random length, empty frames;
 * broken: a valid frame truncated, bit-flipped or with bytes appended;
@@ -16,10 +16,9 @@ from __future__ import annotations
 import random
 import time
 
-from kvpeer import LAYOUTS
-
 from kvtransfer import EntryLayout
 from kvtransfer import messages as m
+from tests.helpers.kvpeer import LAYOUTS
 
 KINDS = ("garbage", "broken", "unsigned", "wrong_key", "stale", "hostile")
 WEIGHTS = (15, 15, 10, 10, 10, 40)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Control-plane fuzzer: malformed, unsigned, stale and hostile-but-well-formed messages against
 a live prefill (KVSender), a live decode (KVReceiver) and a decode's cancel listener, each in its
 own process with real Mooncake, while legitimate rooms go through.
@@ -13,8 +12,11 @@ A frame over a target's size limit makes it disconnect the sender, and zmq then 
 else that connection had in flight; such frames go over a socket of their own, so the rest of the
 run reaches the target and can be accounted for.
 
-    .venv/bin/python scripts/fuzz_control.py --messages 100000        # the full run
-    .venv/bin/python scripts/fuzz_control.py --messages 3000 --json   # what CI runs
+    .venv/bin/python -m benchmarks.fuzz_control --messages 100000        # the full run
+    .venv/bin/python -m benchmarks.fuzz_control --messages 3000 --json   # what CI runs
+
+The peers are the integration tests' (``tests/helpers/kvpeer.py``): run it from the repository's
+root.
 """
 
 from __future__ import annotations
@@ -26,18 +28,17 @@ import random
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "helpers")]
+import zmq
+
+from backends.stages.cancel import MAX_CANCEL_FRAME
+from benchmarks.common import print_result
+from kvtransfer.control.loop import CONTROL_FRAME_BYTES
+from kvtransfer.protocol.messages import MessageError
+from tests.helpers.kvpeer import PeerProcess
+
+from .frames import Mutator
+
 os.environ.setdefault("GLOG_minloglevel", "2")
-
-import zmq  # noqa: E402
-from fuzz_messages import Mutator  # noqa: E402
-from kvpeer import PeerProcess  # noqa: E402
-from soak_lib import print_result  # noqa: E402
-
-from backends.stages.cancel import MAX_CANCEL_FRAME  # noqa: E402
-from kvtransfer.control import CONTROL_FRAME_BYTES  # noqa: E402
-from kvtransfer.messages import MessageError  # noqa: E402
 
 SECRET = b"fuzz-control-secret-0123456789ab"
 ENTRIES = {"target": ("gqa", 16, 128)}
@@ -157,19 +158,19 @@ def run(args) -> dict:
         Target(
             "prefill",
             prefill.info["pid"],
-            _dealers(ctx, prefill.info["bootstrap_addr"], 4),
+            _sockets(ctx, zmq.DEALER, prefill.info["bootstrap_addr"], 4),
             True,
             prefill.call("frame_limit"),
-            _dealers(ctx, prefill.info["bootstrap_addr"], 1)[0],
+            _sockets(ctx, zmq.DEALER, prefill.info["bootstrap_addr"], 1)[0],
         ),
         Target("decode", decode.info["pid"], [RouterTo(router, decode_ident)], True),
         Target(
             "cancel",
             lis.pid,
-            _pushers(ctx, cancel_addr, 2),
+            _sockets(ctx, zmq.PUSH, cancel_addr, 2),
             False,
             MAX_CANCEL_FRAME,
-            _pushers(ctx, cancel_addr, 1)[0],
+            _sockets(ctx, zmq.PUSH, cancel_addr, 1)[0],
             exact=False,
         ),
     ]
@@ -206,21 +207,12 @@ def run(args) -> dict:
     return result
 
 
-def _dealers(ctx, addr: str, n: int) -> list[zmq.Socket]:
+def _sockets(ctx, kind: int, addr: str, n: int) -> list[zmq.Socket]:
+    """``n`` connected sockets of ``kind`` (DEALER: to prefill's ROUTER; PUSH: to the cancel
+    listener) that queue a whole flood without blocking."""
     out = []
     for _ in range(n):
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.SNDHWM, 100000)
-        s.connect(f"tcp://{addr}")
-        out.append(s)
-    return out
-
-
-def _pushers(ctx, addr: str, n: int) -> list[zmq.Socket]:
-    out = []
-    for _ in range(n):
-        s = ctx.socket(zmq.PUSH)
+        s = ctx.socket(kind)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, 100000)
         s.connect(f"tcp://{addr}")
@@ -295,7 +287,8 @@ def _verdict(args, targets, prefill, decode, pipe, legit, failures, kinds) -> di
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.fuzz_control",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--messages", type=int, default=100_000)
     ap.add_argument("--legit-every", type=int, default=2000, help="a legit room every N messages")
     ap.add_argument("--max-rss-growth-mb", type=float, default=256.0)
@@ -307,7 +300,3 @@ def main(argv=None) -> int:
     ap.add_argument("--no-progress", dest="progress", action="store_false")
     args = ap.parse_args(argv)
     return print_result(run(args), args.json)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""bench_transfer.py's summary: the headline numbers over layouts and the markdown table."""
+"""The transfer benchmark's summary: the headline numbers over layouts and the markdown table."""
 
 from __future__ import annotations
 

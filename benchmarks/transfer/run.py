@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """KV transfer throughput: kvtransfer vs the link (raw Mooncake, one large block) and raw copies.
 
 Two OS processes on one host (decode = child process, prefill = this process). For each layout
@@ -19,10 +18,11 @@ Decode's pages are zeroed before each kvtransfer/raw mode and every byte is chec
 ``fragmented_gbps`` (= ``kvtransfer_gbps``), ``contiguous_gbps``, ``raw_gbps``, ``ratio``
 (kvtransfer / raw) and ``link_ratio`` (fragmented / link); the top-level keys are those of page
 size ``--headline-page`` over all layouts. ``--link-gbit R`` re-runs the whole command inside
-``unshare -n`` with a ``tc tbf`` rate limit on the namespace's loopback (as bench_ttft does).
+``unshare -n`` with a ``tc tbf`` rate limit on the namespace's loopback (as benchmarks.ttft does).
+``--tp P:D ...`` measures heterogeneous TP instead (:mod:`benchmarks.transfer.tp`).
 
-    .venv/bin/python scripts/bench/bench_transfer.py --requests 5
-    .venv/bin/python scripts/bench/bench_transfer.py --requests 5 --link-gbit 4
+    .venv/bin/python -m benchmarks.transfer --requests 5
+    .venv/bin/python -m benchmarks.transfer --requests 5 --link-gbit 4
 
 ``--checksum`` turns ``kv_checksum`` on in both processes (so the kvtransfer modes include
 prefill's CRC32C before Complete and decode's check) and also times one side's checksum of a
@@ -30,7 +30,7 @@ request alone, contiguous and fragmented: ``checksum_ms`` and ``checksum_ratio``
 checksum time / the transfer time of the same request at the measured contiguous / fragmented
 rate; prefill and decode each sum once, one after the other, so both count).
 
-    .venv/bin/python scripts/bench/bench_transfer.py --layouts smollm2-gqa --page-sizes 16 \
+    .venv/bin/python -m benchmarks.transfer --layouts smollm2-gqa --page-sizes 16 \
         --requests 3 --checksum
 """
 
@@ -45,27 +45,27 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
+
+from benchmarks import netns
+from benchmarks.common import command_line
+
+from .report import headline, table
+from .tp import TP_LAYOUTS, bench_tp_cell, tp_table
+
 os.environ.setdefault("GLOG_minloglevel", "2")
-
-import numpy as np  # noqa: E402
-from transfer_report import headline, table  # noqa: E402
-from transfer_tp import TP_LAYOUTS, bench_tp_cell, tp_table  # noqa: E402
-from ttft_lib import netns  # noqa: E402
 
 LAYOUTS = {
     "smollm2-gqa": dict(attn="gqa", num_layers=30, kv_heads=3, head_dim=64),
     "deepseek-mla": dict(attn="mla", num_layers=61, head_dim=576, kv_lora_rank=512, rope_dim=64),
 }
 MODES = ("link", "fragmented", "contiguous", "raw")
+MODULE = "benchmarks.transfer"  # how it is run (and re-run inside a namespace)
 
 
 def entry(name: str, dtype: str, page_size: int, num_pages: int, layers: int | None):
-    from kvtransfer import EntryLayout
-    from kvtransfer.layout import SCALED_DTYPES
+    from kvtransfer import SCALED_DTYPES, EntryLayout
 
     kw = dict(LAYOUTS[name])
     if layers:
@@ -200,8 +200,7 @@ def run_kvtransfer(tx, conn, room: int, s_pages, d_pages, groups, tokens: int) -
 
 def bench_cell(name: str, page_size: int, args) -> dict:
     from backends.stages.policy import LayerGroupPolicy
-    from kvtransfer import KVSender, TransferConfig
-    from kvtransfer.layout import group_transfers
+    from kvtransfer import KVSender, TransferConfig, group_transfers
 
     n_pages = math.ceil(args.tokens / page_size)
     pool_pages = n_pages + n_pages // 4
@@ -289,7 +288,7 @@ def bench_cell(name: str, page_size: int, args) -> dict:
 def time_checksums(src, source, rng, n_pages: int, args) -> dict[str, float]:
     """Median ms of one side's kv_checksum of a request (prefill's before Complete; decode's
     check costs the same), contiguous and fragmented page tables."""
-    from kvtransfer.checksum import entry_checksums
+    from kvtransfer import entry_checksums
 
     out = {}
     for mode, frag in (("contiguous", False), ("fragmented", True)):
@@ -305,7 +304,7 @@ def time_checksums(src, source, rng, n_pages: int, args) -> dict[str, float]:
 
 def one_mode(mode, i, tx, te, conn, session, src, dst, groups, rng, args, data) -> float:
     """Run one mode for request ``i``; checks every byte decode got (not for link)."""
-    from kvtransfer.layout import group_transfers
+    from kvtransfer import group_transfers
 
     n_pages = math.ceil(args.tokens / src.page_size)
     if mode == "link":
@@ -328,7 +327,7 @@ def one_mode(mode, i, tx, te, conn, session, src, dst, groups, rng, args, data) 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n")[0])
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--page-sizes", nargs="+", type=int, default=[1, 16, 64])
     ap.add_argument("--headline-page", type=int, default=16)
@@ -357,14 +356,14 @@ def main() -> None:
     if args.kv_cache_dtype != "auto":
         args.dtype = args.kv_cache_dtype
     if args.link_gbit is not None and not netns.in_netns():
-        sys.exit(netns.reexec_in_netns(args.link_gbit, args.link_burst, args.link_latency))
+        sys.exit(netns.reexec_in_netns(MODULE, args.link_gbit, args.link_burst, args.link_latency))
     link = netns.describe(args.link_gbit, args.link_burst, args.link_latency)
     if args.tp:
         tp_main(args, link)
         return
     cells = [bench_cell(n, p, args) for n in args.layouts for p in args.page_sizes]
     out = {**headline(cells, args.headline_page), "link": link, "cells": cells}
-    out["command"] = netns.shell_join(["scripts/bench/bench_transfer.py", *sys.argv[1:]])
+    out["command"] = command_line(MODULE)
     out["load_avg"] = os.getloadavg()
     if args.json:
         print(json.dumps(out))
@@ -382,14 +381,10 @@ def main() -> None:
 
 
 def tp_main(args, link: dict) -> None:
-    """The heterogeneous-TP rows (transfer_tp.py): one per layout, TP pair and page size."""
+    """The heterogeneous-TP rows (:mod:`.tp`): one per layout, TP pair and page size."""
     rows = [bench_tp_cell(n, spec, p, args)
             for n in args.tp_layouts for spec in args.tp for p in args.page_sizes]  # fmt: skip
     out = {"tp_rows": rows, "min_link_ratio": min(r["link_ratio"] for r in rows), "link": link}
-    out["command"] = netns.shell_join(["scripts/bench/bench_transfer.py", *sys.argv[1:]])
+    out["command"] = command_line(MODULE)
     out["load_avg"] = os.getloadavg()
     print(json.dumps(out) if args.json else tp_table(rows))
-
-
-if __name__ == "__main__":
-    main()

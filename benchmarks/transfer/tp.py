@@ -1,10 +1,10 @@
-"""bench_transfer.py --tp: KV between a prefill and a decode of different TP sizes.
+"""``python -m benchmarks.transfer --tp``: KV between a prefill and a decode of different TP sizes.
 
 The product's path, rank for rank: prefill rank 0 is a ``KVSender`` in this process, decode rank
 0 a ``KVReceiver`` in a child process, and every other rank its own OS process with its own pool
-shard and KV agent (:mod:`kvtransfer.rank_agent`: own Mooncake engine and staging slots), as a TP
+shard and KV agent (:mod:`kvtransfer.tp.agent`: own Mooncake engine and staging slots), as a TP
 stage's worker ranks are. Decode registers (protocol 6: every decode rank's session, slots and
-heads), prefill pairs the ranks (:func:`kvtransfer.layout.shard_pieces`: MLA once per decode rank
+heads), prefill pairs the ranks (:func:`kvtransfer.shard_pieces`: MLA once per decode rank
 from prefill rank 0) and streams each layer group of each piece through slots (one Mooncake write
 per slot-sized chunk, by the rank that holds the heads), the decode rank scatters it into its
 heads. Timed from the first ``send_group`` until prefill's room is Success (Complete goes after
@@ -118,7 +118,7 @@ def rank_main(agent_conn, conn, side: str, layouts_kw: dict, seed: int) -> None:
     """Rank 1..N-1 of one side: its shard, its KV agent serving rank 0 on ``agent_conn``."""
     import torch
 
-    from kvtransfer.rank_agent import serve_start
+    from kvtransfer import serve_start
 
     torch.set_num_threads(1)
     tensors, wholes, layouts = make_shards(side, layouts_kw, seed)
@@ -135,7 +135,7 @@ def rank_main(agent_conn, conn, side: str, layouts_kw: dict, seed: int) -> None:
 
 
 def start_agents(conns: list, config, slots: int):
-    from kvtransfer.rank_agent import AgentClient
+    from kvtransfer import AgentClient
 
     agents = [AgentClient(c, k) for k, c in enumerate(conns, 1)]
     for a in agents:
@@ -257,7 +257,7 @@ class TPCell:
 
     def plan(self, rng):
         """One request: random fragmented page tables, its bytes per rank pair, and counts."""
-        from kvtransfer.layout import group_units, shard_pieces
+        from kvtransfer import group_units, shard_pieces
 
         roles = list(TP_LAYOUTS[self.name])
         pick = lambda: [int(x) for x in rng.permutation(self.pool_pages)[: self.n_pages]]  # noqa: E731
@@ -287,7 +287,7 @@ class TPCell:
         room, d0 = next(self.rooms), self.conns["decode", 0]
         d0.send(("register", room, self.tx.bootstrap_addr, dst, self.args.tokens))
         assert d0.recv() == "ok"
-        done, before = threading.Event(), self.tx.staged["chunks"]
+        done, before = threading.Event(), self.tx.staging.counts["chunks"]
         self.tx.start_room(room, src, lambda r, s: done.set())
         while self.tx.poll(room).name == "Bootstrapping":  # the claim (Ack) is not timed
             time.sleep(0.001)
@@ -301,7 +301,7 @@ class TPCell:
         assert self.tx.poll(room).name == "Success", self.tx.failure_reason(room)
         d0.send(("wait", room))
         assert d0.recv() == "Success"
-        return dt, self.tx.staged["chunks"] - before
+        return dt, self.tx.staging.counts["chunks"] - before
 
     def run_link(self, pair_bytes) -> float:
         """One block per rank pair, from the prefill rank's pool to the decode rank's pool

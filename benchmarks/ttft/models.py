@@ -2,7 +2,7 @@
 
 The KV-heavy model has as many KV heads as query heads (MHA) and a narrow MLP, so it writes more
 KV bytes per FLOP than SmolLM2 (GQA 9:3, wide MLP): the regime where the transfer matters most.
-It is built with transformers from a config (random weights, like tests/unit/runtime_models.py)
+It is built with transformers from a config (random weights, like tests/helpers/runtime_models.py)
 once per directory and reused.
 """
 
@@ -13,7 +13,8 @@ import os
 import shutil
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+from benchmarks import ROOT
+
 DEFAULT_MODEL = ROOT / "models" / "smollm2-135m-instruct"
 KV_HEAVY_DIR = ROOT / "bench_out" / "models" / "kv-heavy-mha"
 

@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-# per-model headline keys printed under the table (and by bench_ttft.py without --json)
+# per-model headline keys printed under the table (and by benchmarks.ttft without --json)
 SUMMARY_KEYS = (
     "exposed_fraction_pipelined",
     "groups",

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Time to first token of PD disaggregation: colocated vs serial vs layer-pipelined KV transfer.
 
 Modes, interleaved run by run (order rotated) so machine noise hits all of them alike:
@@ -9,15 +8,15 @@ Modes, interleaved run by run (order rotated) so machine noise hits all of them 
 * fixed-2 / fixed-4 / fixed-8 / fixed-all: fixed group counts (the sweep, at --sweep-lengths).
 
 Direct mode (always): prefill and decode stages in separate OS processes with the real runtime
-and kvtransfer (scripts/bench/ttft_lib/workers.py); TTFT = submit -> decode has the first token with
+and kvtransfer (:mod:`benchmarks.ttft.workers`); TTFT = submit -> decode has the first token with
 the prompt's KV landed (decode registers concurrently with prefill, as in the ensemble).
 Exposed fraction = (TTFT_mode - TTFT_colocated) / (TTFT_serial - TTFT_colocated).
 
 ``--link-gbit R`` re-runs the whole measurement inside ``unshare -n`` with a token bucket on the
 namespace's loopback (root only), so the transfer can be made comparable to CPU prefill compute.
 
-    .venv/bin/python scripts/bench/bench_ttft.py --quick --json           # < 5 min, emulated link
-    .venv/bin/python scripts/bench/bench_ttft.py --link-gbit 0.3          # the full sweep
+    .venv/bin/python -m benchmarks.ttft --quick --json           # < 5 min, emulated link
+    .venv/bin/python -m benchmarks.ttft --link-gbit 0.3          # the full sweep
 """
 
 from __future__ import annotations
@@ -29,20 +28,19 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+from benchmarks import ROOT, netns
+from benchmarks.common import command_line
+
+from .analysis import ALL_MODES, BASE_MODES, FIXED_MODES, build_rows, headline
+
 os.environ.setdefault("GLOG_minloglevel", "2")
-
-from ttft_lib import netns  # noqa: E402
-from ttft_lib.analysis import ALL_MODES, BASE_MODES, FIXED_MODES, build_rows, headline  # noqa: E402
-
+MODULE = "benchmarks.ttft"  # how it is run (and re-run inside a namespace)
 QUICK_LINK_GBIT = 0.15
 QUICK = dict(models=["default"], lengths=[128, 2048], concurrency=[1], modes=list(BASE_MODES))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n")[0])
     ap.add_argument(
         "--models",
         nargs="+",
@@ -165,10 +163,10 @@ def prompt(n: int, vocab: int, seed: int) -> list[int]:
 
 
 def bench_model(name: str, args, progress: Progress) -> list[dict]:
-    from ttft_lib.direct import DirectBench
-    from ttft_lib.models import resolve
-
     from backends.runtime.config import ModelConfig
+
+    from .direct import DirectBench
+    from .models import resolve
 
     path = resolve(name)
     cfg = ModelConfig.from_pretrained(path)
@@ -210,7 +208,7 @@ def start_triton(args, path: str, num_layers: int, max_tokens: int):
     args.triton_status = triton_status(args)
     if not args.triton or args.triton_status["reason"]:
         return None
-    from ttft_lib.triton_mode import TritonServers
+    from .triton_mode import TritonServers
 
     modes = [m for m in args.modes if m != "colocated"]
     log = lambda msg: sys.stderr.write(msg + "\n")  # noqa: E731
@@ -226,7 +224,7 @@ def start_triton(args, path: str, num_layers: int, max_tokens: int):
 
 
 def triton_records(triton, mode: str, prompts, n: int, num_layers: int) -> list[dict]:
-    from ttft_lib.triton_mode import triton_groups
+    from .triton_mode import triton_groups
 
     recs = triton.run(mode, prompts)
     for r in recs:
@@ -250,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:  # re-render a finished run's tables and plots
         return finish(json.loads(Path(args.from_json).read_text()), args)
     if args.link_gbit is not None and not netns.in_netns():
-        return netns.reexec_in_netns(args.link_gbit, args.link_burst, args.link_latency)
+        return netns.reexec_in_netns(MODULE, args.link_gbit, args.link_burst, args.link_latency)
     import torch
 
     link = netns.describe(args.link_gbit, args.link_burst, args.link_latency)
@@ -277,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_avg_at_end": os.getloadavg(),
         },
         triton=getattr(args, "triton_status", None) or triton_status(args),
-        command=netns.shell_join(["scripts/bench/bench_ttft.py", *(argv or sys.argv[1:])]),
+        command=command_line(MODULE, argv),
         rows=rows,
         profiles=[s for s in samples if s.get("timeline")],
         samples=[{k: v for k, v in s.items() if k != "timeline"} for s in samples],
@@ -292,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def finish(out: dict, args) -> int:
     """Write result.json, table.md and plots to --out; print the table or the JSON."""
-    from ttft_lib.report import SUMMARY_KEYS, write_all
+    from .report import SUMMARY_KEYS, write_all
 
     table = write_all(out, args.out, args.plots)
     if args.json:
@@ -303,7 +301,3 @@ def finish(out: dict, args) -> int:
             pairs = ", ".join(f"{k}={h[k]}" for k in SUMMARY_KEYS)
             print(f"{m} @ {h['long_prompt_len']} tok: {pairs}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,9 +20,10 @@ import time
 
 import numpy as np
 
+from benchmarks import ROOT
+
 from .analysis import FIXED_MODES
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BASE_PORT = 18100
 
 
@@ -61,9 +62,6 @@ class TritonServers:
         out_dir: str,
         log=print,
     ):
-        sys.path.insert(0, os.path.join(ROOT, "scripts"))
-        from make_repo import make_repo
-
         self.ports: dict[str, int] = {}
         self.run_dir = os.path.join(out_dir, "triton")
         self.log = log
@@ -141,6 +139,15 @@ class TritonServers:
             }
             for j in range(len(prompts))
         ]
+
+
+def make_repo(out: str, model: str, sets: list[str]) -> None:
+    """A copy of model_repository/ at ``out`` with ``sets`` applied (scripts/make_repo.py)."""
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "make_repo.py"), "--out", out]
+    cmd += ["--model", model, *(a for s in sets for a in ("--set", s))]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"make_repo.py --out {out} failed: {res.stderr.strip()[-2000:]}")
 
 
 def _inputs(ids: list[int]):

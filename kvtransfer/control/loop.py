@@ -25,7 +25,9 @@ import zmq
 
 from ..config import TransferConfig
 from ..link.engine import Engine
+from ..link.faults import Faults
 from ..memory.layout import EntryLayout
+from ..memory.staging import StagingArea
 from ..protocol import messages as m
 from ..protocol.identity import fingerprint
 from .state import ReleaseCallback, Room, RoomStatus, RoomTable
@@ -51,7 +53,11 @@ class TransferFailed(RuntimeError):
 class ControlLoop:
     name = "kv-control"
 
-    def __init__(self, config: TransferConfig):
+    def __init__(
+        self, config: TransferConfig, layouts: dict[str, EntryLayout], tensors: dict | None
+    ):
+        """The side's engine over its pool entries ``layouts`` (role -> layout), and the pools'
+        ``tensors`` (role -> tensor, optional: staging and kv_checksum read through them)."""
         self.config = config
         self.rooms = RoomTable(config.tombstones)
         self.transfer_stats = TransferStats()
@@ -73,6 +79,11 @@ class ControlLoop:
         self.poller.register(self._wake_r, zmq.POLLIN)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._open_engine(layouts)
+        self._keep_tensors(tensors)
+        self.faults = Faults.from_env()  # tests only: KVTRANSFER_FAULTS
+        if self.faults.active:
+            log.warning("%s: FAULT INJECTION active (%s): for tests only", self.name, self.faults)
 
     # ---- plumbing ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -270,14 +281,23 @@ class ControlLoop:
         """Per-room detail: bytes, seconds, and one record per layer group (sender side)."""
         return self.transfer_stats.get_room(room)
 
-    def keep_tensors(self, tensors: dict | None) -> None:
+    def open_staging(self, tensors: dict | None, slots: int) -> StagingArea | None:
+        """``slots`` staging slots of ``staging_slot_bytes`` beside the pools, registered with
+        the engine (None: no tensors, or staging off)."""
+        if not tensors or not self.config.staging_slot_bytes:
+            return None
+        area = StagingArea(tensors, self.layouts, slots, self.config.staging_slot_bytes)
+        self.engine.register(area.addr, area.nbytes)
+        return area
+
+    def _keep_tensors(self, tensors: dict | None) -> None:
         """The pools' tensors (role -> tensor): kv_checksum reads the room's bytes through them."""
         self.pool_tensors = dict(tensors or {})
         missing = [r for r in self.layouts if self.pool_tensors.get(r) is None]
         if self.config.kv_checksum and missing:
             raise ValueError(f"kv_checksum needs the pools' tensors (missing: {missing})")
 
-    def open_engine(self, layouts: dict[str, EntryLayout]) -> None:
+    def _open_engine(self, layouts: dict[str, EntryLayout]) -> None:
         """Check the entry layouts (key == role, pool address set), start the Mooncake engine
         and register every pool with it once; :meth:`close` closes it."""
         if not layouts:

@@ -10,7 +10,7 @@ sends them in ``Complete``; decode recomputes them from its own pages when ``Com
 ``Complete`` is read) and before the room may join decoding. Whole pages are summed, so the
 bytes past the prompt in the last page (copied too) count as well.
 
-Cost (measured on the 2-core CI machine, load ~2.9, ``scripts/bench/bench_transfer.py --layouts
+Cost (measured on the 2-core CI machine, load ~2.9, ``python -m benchmarks.transfer --layouts
 smollm2-gqa --page-sizes 16 --dtype float32 --requests 3 --checksum``): a 4K-token SmolLM2 room
 (189 MB of KV) takes 14 ms per side with a contiguous page table (13 GB/s, the hardware CRC32C
 of the ``crc32c`` package), 29 ms fragmented (15,360 page runs); both sides together are 21 % /

@@ -103,7 +103,7 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     staging_addr: int = 0
     staging_slots: int = 0
     staging_slot_bytes: int = 0
-    # decode's deployment identity (kvtransfer/identity.py); prefill refuses a different one
+    # decode's deployment identity (protocol/identity.py); prefill refuses a different one
     fingerprint: Fingerprint | None = None
     # decode ranks 1..N-1 of a tensor-parallel decode (rank 0 is this Register's own fields)
     ranks: list[RankDest] = []
@@ -172,7 +172,7 @@ class Grant(msgspec.Struct, tag="grant", frozen=True):
 
 class Staged(msgspec.Struct, tag="staged", frozen=True):
     """prefill -> decode: units [start, start + count) of the staged stream of entry ``role``,
-    layers [layer_start, layer_stop), landed in slot ``slot`` (see kvtransfer/layout.py)."""
+    layers [layer_start, layer_stop), landed in slot ``slot`` (see kvtransfer/memory/layout.py)."""
 
     room: int
     slot: int

@@ -28,7 +28,6 @@ from zmq.utils.monitor import parse_monitor_message
 from ..config import TransferConfig
 from ..control.loop import ControlLoop, ReleaseCallback, TransferFailed
 from ..control.state import ReceiverRoom, RoomStatus
-from ..link.faults import Faults
 from ..link.proof import SessionToken
 from ..memory.layout import EntryLayout, check_compatible
 from ..protocol import messages as m
@@ -81,15 +80,11 @@ class KVReceiver(ControlLoop):
         tensors: dict | None = None,
         agents: list | None = None,
     ):
-        super().__init__(config)
-        self.open_engine(layouts)
-        self.keep_tensors(tensors)
-        self.faults = Faults.from_env()  # flip=P: corrupt landed KV before kv_checksum checks
+        super().__init__(config, layouts, tensors)  # faults flip=P: corrupt landed KV
         self.staging = StagedReceives(
             config,
             self.layouts,
-            tensors,
-            self.engine,
+            self.open_staging(tensors, config.staging_recv_slots),
             list(agents or []),  # a TP decode's ranks 1..N-1
             self.rooms,
             ReceiveLinks(

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 from ..config import TransferConfig
 from ..control.state import ReceiverRoom, RoomTable
-from ..link.engine import Engine
 from ..memory.layout import EntryLayout, staging_rows
 from ..memory.staging import StagingArea
 from ..protocol import messages as m
@@ -57,23 +56,18 @@ class StagedReceives:
         self,
         config: TransferConfig,
         layouts: dict[str, EntryLayout],
-        tensors: dict | None,
-        engine: Engine,
+        area: StagingArea | None,
         agents: list,
         rooms: RoomTable,
         links: ReceiveLinks,
     ):
         self.config, self.layouts, self.agents = config, layouts, agents
         self.rooms, self.links = rooms, links
-        self.area: StagingArea | None = None
+        self.area = area
         self.rank_layouts: list[dict[str, EntryLayout]] = [a.layouts() for a in agents]
         self._slot_free: dict[int, deque] = {}  # rank -> its free slots
-        if tensors and config.staging_slot_bytes:
-            self.area = StagingArea(
-                tensors, layouts, config.staging_recv_slots, config.staging_slot_bytes
-            )
-            engine.register(self.area.addr, self.area.nbytes)
-            self._slot_free[0] = deque(range(config.staging_recv_slots))
+        if area is not None:
+            self._slot_free[0] = deque(range(area.slots))
         for k, a in enumerate(agents, 1):
             self._slot_free[k] = deque(range(len(a.info.slot_addrs)))
         self._slot_owner: dict[tuple[int, int], int] = {}  # (rank, slot) -> room

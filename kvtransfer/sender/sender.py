@@ -28,7 +28,6 @@ from ..config import TransferConfig
 from ..control.loop import ControlLoop, ReleaseCallback
 from ..control.state import Claim, RoomStatus, SenderRoom
 from ..link.engine import Fence
-from ..link.faults import Faults
 from ..memory.layout import EntryLayout, ShardPiece, group_transfers
 from ..protocol import messages as m
 from ..protocol.checksum import entry_checksums
@@ -59,12 +58,7 @@ class KVSender(ControlLoop):
         tensors: dict | None = None,
         agents: list | None = None,
     ):
-        super().__init__(config)
-        self.open_engine(layouts)
-        self.keep_tensors(tensors)
-        self.faults = Faults.from_env()
-        if self.faults.active:
-            log.warning("kv-sender: FAULT INJECTION active (%s): for tests only", self.faults)
+        super().__init__(config, layouts, tensors)
         limit = config.max_frame_bytes or _register_frame_limit(self.layouts)
         self.router = self.socket(zmq.ROUTER, limit)
         if config.bootstrap_port:
@@ -79,11 +73,12 @@ class KVSender(ControlLoop):
         for k, a in enumerate(self.agents, 1):  # an agent holds the entries of its runner
             for role, lay in a.layouts().items():
                 self.rank_layouts[role][k] = lay
+        area = self.open_staging(tensors, config.staging_slots)
         self.staging = StagedSends(
             config,
             self.layouts,
-            tensors,
-            self.engine,
+            area,
+            self.engine.slot_writer() if area else None,  # closed by the engine, first
             self.rank_layouts,
             self.agents,
             self.rooms,

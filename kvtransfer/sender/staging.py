@@ -29,7 +29,7 @@ from dataclasses import astuple, dataclass, field
 from ..config import TransferConfig
 from ..control.state import RoomTable, SenderRoom
 from ..control.stats import TransferStats
-from ..link.engine import Engine
+from ..link.writer import SlotWriter
 from ..memory.layout import (
     EntryLayout,
     ShardPiece,
@@ -101,15 +101,15 @@ class _Chunk:
 
 class StagedSends:
     """The staged groups of every room: this rank's slots (``area``, None without staging),
-    its writer, and the ranks' agents' capacity. ``rank_layouts``: role -> {rank: its shard};
+    their ``writer``, and the ranks' agents' capacity. ``rank_layouts``: role -> {rank: its shard};
     ``agents``: ranks 1..N-1 (:class:`~kvtransfer.tp.agent.AgentClient`)."""
 
     def __init__(
         self,
         config: TransferConfig,
         layouts: dict[str, EntryLayout],
-        tensors: dict | None,
-        engine: Engine,
+        area: StagingArea | None,
+        writer: SlotWriter | None,
         rank_layouts: dict[str, dict[int, EntryLayout]],
         agents: list,
         rooms: RoomTable,
@@ -118,14 +118,7 @@ class StagedSends:
     ):
         self.config, self.layouts, self.rank_layouts = config, layouts, rank_layouts
         self.agents, self.rooms, self.stats, self.links = agents, rooms, stats, links
-        self.area: StagingArea | None = None
-        self.writer = None
-        if tensors and config.staging_slot_bytes:
-            self.area = StagingArea(
-                tensors, layouts, config.staging_slots, config.staging_slot_bytes
-            )
-            engine.register(self.area.addr, self.area.nbytes)
-            self.writer = engine.slot_writer()  # closed by the engine, before its memory
+        self.area, self.writer = area, writer
         self._rooms: OrderedDict[int, _RoomStage] = OrderedDict()
         self._local_free = list(range(config.staging_slots))
         self._gathered: deque[_Chunk] = deque()

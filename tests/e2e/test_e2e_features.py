@@ -5,13 +5,12 @@ own OpenAI frontend (``--backend vllm``) sends, with what it reads back."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import triton_harness
-from triton_harness import ROOT, grpc_responses, http_generate, http_generate_stream
+from triton_harness import grpc_responses, http_generate, http_generate_stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 Q = "What is the capital of France?"
@@ -120,10 +119,10 @@ def test_malformed_requests_name_the_field(server):
 
 
 def test_a_burst_queues_instead_of_failing(server):
-    """scripts/burst.py's short CI variant (its full run is 1,000 requests: docs/operations.md):
+    """benchmarks.burst's short CI variant (its full run is 1,000 requests: docs/operations.md):
     every request of a concurrent burst succeeds, half of them streaming, and every page comes
     back."""
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "burst.py"), "--url", server.http,
+    cmd = [sys.executable, "-m", "benchmarks.burst", "--url", server.http,
            "--metrics", server.metrics_url, "--requests", "150", "--json"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
     res = json.loads(out.stdout)

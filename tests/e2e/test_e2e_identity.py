@@ -19,8 +19,7 @@ import urllib.request
 import pytest
 from triton_harness import MODEL, ROOT, free_port, http_post
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import health  # noqa: E402
+from scripts import health
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -127,7 +127,7 @@ def test_penalties_change_the_output_and_are_seeded(client):
 
 def test_logprobs_equal_the_runtimes_log_softmax(client, reference):
     from backends.runtime.engine import LLMEngine
-    from backends.runtime.runner import ModelRunner
+    from backends.runtime.loader import load_runner
     from backends.runtime.sampler import SamplingParams
 
     r = client.chat.completions.create(
@@ -135,7 +135,7 @@ def test_logprobs_equal_the_runtimes_log_softmax(client, reference):
         logprobs=True, top_logprobs=3,
     )  # fmt: skip
     got = r.choices[0].logprobs.content
-    runner = ModelRunner.load(MODEL)
+    runner = load_runner(MODEL)
     engine = LLMEngine(runner, runner.make_pool(64, 16))
     seq = engine.generate([(reference.prompt_ids(Q, True), SamplingParams(max_tokens=6))])[0]
     ids = seq.output_ids
@@ -154,7 +154,7 @@ def test_logprobs_equal_the_runtimes_log_softmax(client, reference):
 
 
 def _input(ids, pool):
-    from backends.runtime.runner import SeqInput
+    from backends.runtime.paged import SeqInput
 
     return SeqInput(ids, 0, pool.alloc(pool.pages_needed(len(ids))))
 

@@ -58,11 +58,11 @@ def colocated(ids: list[list[int]], max_tokens: int) -> list[list[int]]:
     import torch
 
     from backends.runtime.engine import LLMEngine
-    from backends.runtime.runner import ModelRunner
+    from backends.runtime.loader import load_runner
     from backends.runtime.sampler import SamplingParams
 
     torch.set_num_threads(1)
-    runner = ModelRunner.load(MODEL)
+    runner = load_runner(MODEL)
     engine = LLMEngine(runner, runner.make_pool(len(ids) * 28, 16), max_batch=len(ids))
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     return [s.output_ids for s in engine.generate([(p, sp) for p in ids])]

@@ -1,4 +1,4 @@
-"""The soak's CI variant: scripts/soak.py with 80 mixed requests (prompts up to 250 tokens, up to
+"""The soak's CI variant: benchmarks.soak with 80 mixed requests (prompts up to 250 tokens, up to
 24 new tokens; cancels, injected transfer faults, a prefill stage process killed half way)
 against a real server of its own."""
 
@@ -15,9 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_soak_80_requests_end_well_and_leak_nothing():
     env = dict(os.environ, GLOG_minloglevel="2")
-    cmd = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--requests", "80", "--json"]
+    cmd = [sys.executable, "-m", "benchmarks.soak", "--requests", "80", "--json"]
     cmd += ["--max-prompt", "250", "--max-new", "24"]  # shorter requests: CI's time budget
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500, cwd=ROOT)
     assert proc.stdout.strip(), f"soak printed nothing; stderr tail:\n{proc.stderr[-3000:]}"
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     failed = {k: v for k, v in result.get("checks", {}).items() if not v}

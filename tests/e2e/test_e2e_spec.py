@@ -51,7 +51,7 @@ def colocated_stats(model_dir: str, spec: dict, prompts: list[list[int]]) -> dic
     """The colocated SpecEngine (same target, same draft, one process) on the same prompts."""
     import torch
 
-    from backends.runtime.runner import ModelRunner
+    from backends.runtime.loader import load_runner
     from backends.runtime.sampler import SamplingParams
     from backends.runtime.spec import DraftSpec
     from backends.runtime.spec_eagle import spec_engine
@@ -60,7 +60,7 @@ def colocated_stats(model_dir: str, spec: dict, prompts: list[list[int]]) -> dic
 
     torch.set_num_threads(1)
     params = StageParams(model_dir=model_dir, num_pages=64, page_size=4, **spec)
-    target = ModelRunner.load(params.model_path)
+    target = load_runner(params.model_path)
     draft = load_stage_draft(params, target)
     dspec = DraftSpec(draft, make_draft_pool(params, draft), params.spec_tokens)
     engine = spec_engine(target, target.make_pool(64, 4), dspec, max_batch=1)

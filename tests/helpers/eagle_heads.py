@@ -49,14 +49,10 @@ def random_head(target_ckpt: str, draft_vocab: int | None = None, seed: int = 0)
 def trained_head(target_ckpt: str, draft_vocab: int = 96) -> str:
     """A head trained by scripts/train_eagle.py for a few seconds on ``target_ckpt`` (a tiny
     model: random prompts, its own greedy responses); cached per process."""
-    import importlib
-    import os
-    import sys
+    from scripts import train_eagle as te
 
     key = ("trained", target_ckpt, draft_vocab)
     if key not in _HEADS:
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-        te = importlib.import_module("train_eagle")
         path = tempfile.mkdtemp(prefix="eagle_trained_")
         te.main(["--target", target_ckpt, "--out", path, "--prompts", "48", "--eval-prompts",
                  "8", "--max-tokens", "16", "--draft-vocab", str(draft_vocab), "--heads", "4",

@@ -8,12 +8,10 @@ prints [{"ids": [...], "text": "...", "error": null | "..."}, ...] in job order.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from triton_harness import grpc_ask  # noqa: E402
+from triton_harness import grpc_ask  # beside this file: the script's directory is on the path
 
 
 def main() -> None:

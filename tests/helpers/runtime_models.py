@@ -229,7 +229,7 @@ def assert_greedy_matches_up_to_tie(
 def forward_vs_transformers(kind: str, runner, n: int = 21) -> tuple[list[int], torch.Tensor]:
     """One runtime forward over a random ``n``-token prompt, checked against transformers'
     logits; -> (the prompt, transformers' logits [n, V])."""
-    from backends.runtime.runner import SeqInput
+    from backends.runtime.paged import SeqInput
 
     prompt = random_prompt(n, seed=1)
     with torch.no_grad():

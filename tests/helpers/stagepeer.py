@@ -12,6 +12,7 @@ takes a batch, so a test can have N rooms prefilled in one forward (``submit_all
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import threading
@@ -70,15 +71,15 @@ def _slow_fences(worker, delay: float) -> dict:
             log["pollers"].append(threading.get_ident())
             return time.time() >= self.ready_at
 
-    worker.record_fence = SlowFence
+    worker.batch = dataclasses.replace(worker.batch, record_fence=SlowFence)
     worker.sender.engine._te = _LoggedTE(worker.sender.engine._te, log)
     return log
 
 
 def _hold_batches(worker, n: int, sizes: list[int]) -> None:
-    from backends.stages import prefill_batch
+    from backends.stages.prefill import worker as prefill_worker
 
-    take = prefill_batch.take
+    take = prefill_worker.take
 
     def held(ready, tokens_of, budget):  # called with worker._cond held; wait() releases it
         end = time.monotonic() + 30
@@ -88,7 +89,7 @@ def _hold_batches(worker, n: int, sizes: list[int]) -> None:
         sizes.append(len(out))
         return out
 
-    prefill_batch.take = held
+    prefill_worker.take = held
 
 
 def _fail_sends_of(worker, room: int) -> None:

@@ -16,8 +16,6 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))  # runtime_models
-
 CASES = {  # (start, new tokens) per sequence
     "decode": [(7, 1), (20, 1), (0, 1), (33, 1)],
     "prefill": [(0, 9), (0, 3), (0, 17)],
@@ -193,7 +191,8 @@ def runtime_cases() -> dict[str, dict]:
 
     from backends.runtime import cuda_attn
     from backends.runtime.engine import LLMEngine
-    from backends.runtime.runner import ModelRunner, SeqInput
+    from backends.runtime.loader import load_runner
+    from backends.runtime.paged import SeqInput
     from backends.runtime.sampler import SamplingParams
 
     cuda_attn.DEVICE_TYPES = ("cuda", "cpu")
@@ -209,7 +208,7 @@ def runtime_cases() -> dict[str, dict]:
     for kind in RUNTIME_KINDS:
         t0, err = time.perf_counter(), None
         try:
-            runner = ModelRunner.load(rm.checkpoint(kind))
+            runner = load_runner(rm.checkpoint(kind))
             prompt = rm.random_prompt(21, seed=1)  # > the window of 16
             with torch.no_grad():
                 ref = rm.hf_model(kind)(torch.tensor([prompt])).logits[0].float()
@@ -249,7 +248,7 @@ FP8_KINDS = ("mistral", "deepseek_v3")  # GQA with a sliding window, MLA
 def _fp8_logits(runner, prompt: list[int]) -> torch.Tensor:
     """A prompt in two chunks then one decode step, on a fresh fp8 pool: the second chunk and
     the step read the first one's fp8 pages. -> the logits of all three, concatenated."""
-    from backends.runtime.runner import SeqInput
+    from backends.runtime.paged import SeqInput
 
     pool = runner.make_pool(16, 4)
     pool.shuffle_free_list(seed=4)
@@ -267,13 +266,13 @@ def fp8_cases(calls: list) -> dict[str, dict]:
     import runtime_models as rm
 
     from backends.runtime import cuda_attn
-    from backends.runtime.runner import ModelRunner
+    from backends.runtime.loader import load_runner
 
     results = {}
     for kind in FP8_KINDS:
         t0, err = time.perf_counter(), None
         try:
-            runner = ModelRunner.load(rm.checkpoint(kind), kv_cache_dtype="float8_e4m3fn")
+            runner = load_runner(rm.checkpoint(kind), kv_cache_dtype="float8_e4m3fn")
             prompt = rm.random_prompt(21, seed=2)
             n0 = len(calls)
             got = _fp8_logits(runner, prompt)
@@ -319,7 +318,7 @@ def _graph_case(kind: str, fused: str, fallback: bool) -> dict:
 
     from backends.runtime import attention, cuda_attn
     from backends.runtime.engine import LLMEngine
-    from backends.runtime.runner import ModelRunner
+    from backends.runtime.loader import load_runner
     from backends.runtime.sampler import SamplingParams
 
     captured = []
@@ -337,7 +336,7 @@ def _graph_case(kind: str, fused: str, fallback: bool) -> dict:
         attention.cpu_decode_attention = lambda *a, **k: None
     try:
         os.environ["PD_RUNTIME_FUSED"] = fused
-        runner = ModelRunner.load(rm.checkpoint(kind))
+        runner = load_runner(rm.checkpoint(kind))
         runner.use_graphs, runner.graph_factory = True, fake_capture
         prompts = [rm.random_prompt(n, seed=n) for n in (5, 19, 9)]
         pool = runner.make_pool(24, 4)

@@ -1,4 +1,4 @@
-"""scripts/bench/bench_ttft.py end to end: real stage processes, real Mooncake, tiny sweep."""
+"""benchmarks.ttft end to end: real stage processes, real Mooncake, tiny sweep."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 def test_bench_ttft_tiny_sweep_json(tmp_path):
     cmd = [
-        sys.executable,
-        os.path.join(ROOT, "scripts", "bench", "bench_ttft.py"),
+        sys.executable, "-m", "benchmarks.ttft",
         "--models", "kv-heavy",
         "--lengths", "64", "300",
         "--concurrency", "1",
@@ -27,7 +26,7 @@ def test_bench_ttft_tiny_sweep_json(tmp_path):
         "--json",
         "--out", str(tmp_path),
     ]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout)
     for key in ("exposed_fraction_pipelined", "groups", "ttft_ms", "first_token_over_colocated"):

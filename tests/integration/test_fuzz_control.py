@@ -1,4 +1,4 @@
-"""The control-plane fuzzer's short run (scripts/fuzz_control.py runs 100,000 messages)."""
+"""The control-plane fuzzer's short run (benchmarks.fuzz_control runs 100,000 messages)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 def test_fuzzer_short_run_passes_every_check():
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "fuzz_control.py")]
+    cmd = [sys.executable, "-m", "benchmarks.fuzz_control"]
     cmd += ["--messages", "3000", "--legit-every", "500", "--json", "--no-progress", "--seed", "7"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=ROOT)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert out.returncode == 0 and result["ok"], result
     assert result["messages"] == 3000 and result["legit_rooms"] >= 6

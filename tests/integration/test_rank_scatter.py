@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import zmq
 from kvpeer import LAYOUTS
+from scripted_prefill import ScriptedPrefill, receiver_config
 
-from kvtransfer import EntryLayout, KVReceiver, RoomStatus, TransferConfig
+from kvtransfer import EntryLayout, KVReceiver, RoomStatus
 from kvtransfer import messages as m
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -68,65 +68,45 @@ def setup():
     rank1 = replace(full, kv_heads=1, head_start=1, total_kv_heads=2)
     buf = np.zeros(rank0.nbytes, np.uint8)
     rank0 = rank0.with_pool(POOL, buf.ctypes.data)
-    cfg = TransferConfig(
-        shared_secret=SECRET,
-        staging_slot_bytes=2 * rank0.page_bytes,
-        staging_recv_slots=2,
-        staging_grants_per_room=1,
-        heartbeat_interval_s=60.0,  # the scripted peer never pongs
-    )
+    cfg = receiver_config(SECRET, 2 * rank0.page_bytes, slots=2, grants=1)
     slow = SlowRank(rank1)
     rx = KVReceiver(cfg, {"target": rank0}, {"target": torch.from_numpy(buf)}, [slow])
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    yield rank0, rx, slow, router, f"127.0.0.1:{port}"
+    peer = ScriptedPrefill(SECRET)
+    yield rank0, rx, slow, peer
     slow.answer(False)
-    ctx.destroy(linger=0)
+    peer.close()
     rx.close()
 
 
-def recv(router, kind, timeout=10.0):
-    end = time.time() + timeout
-    while time.time() < end:
-        if router.poll(200):
-            ident, frame = router.recv_multipart()
-            msg = m.decode(frame, SECRET)
-            if isinstance(msg, kind):
-                return ident, msg
-    raise AssertionError(f"no {kind.__name__} from decode")
 
 
-def send(router, ident, msg):
-    router.send_multipart([ident, m.encode(msg, SECRET)])
 
 
-def staged_on_rank_1(lay, rx, router, addr, room, released):
+def staged_on_rank_1(lay, rx, peer, room, released):
     """Register ``room``, claim it, and land one chunk in rank 1's lent slot: rank 1 now holds
     its scatter. Returns prefill's connection identity."""
     cb = lambda r, s: released.setdefault(r, []).append(s.name)  # noqa: E731
-    rx.register(room, [addr], {"target": [5, 9, 2]}, TOKENS, cb)
-    ident, reg = recv(router, m.Register)
+    rx.register(room, [peer.addr], {"target": [5, 9, 2]}, TOKENS, cb)
+    ident, reg = peer.recv(m.Register)
     assert len(reg.ranks) == 1 and reg.ranks[0].heads == {"target": [1, 1]}
-    send(router, ident, m.Ack(room, {"target": lay.signature()}))
-    send(router, ident, m.Want(room, 1, 1))
-    _, grant = recv(router, m.Grant)
+    peer.send(ident, m.Ack(room, {"target": lay.signature()}))
+    peer.send(ident, m.Want(room, 1, 1))
+    _, grant = peer.recv(m.Grant)
     assert grant.rank == 1
-    send(router, ident, m.Staged(room, grant.slot, "target", 0, 2, 0, 2, 1, 0, 0))
+    peer.send(ident, m.Staged(room, grant.slot, "target", 0, 2, 0, 2, 1, 0, 0))
     return ident
 
 
 def test_a_slow_rank_scatter_never_blocks_the_control_thread_and_defers_complete(setup):
-    lay, rx, slow, router, addr = setup
+    lay, rx, slow, peer = setup
     released: dict[int, list[str]] = {}
-    ident = staged_on_rank_1(lay, rx, router, addr, 7, released)
+    ident = staged_on_rank_1(lay, rx, peer, 7, released)
     assert slow.arrived.wait(10)
     t0 = time.monotonic()
-    rx.register(8, [addr], {"target": [11, 12, 13]}, TOKENS, lambda r, s: None)  # served now
+    rx.register(8, [peer.addr], {"target": [11, 12, 13]}, TOKENS, lambda r, s: None)  # served now
     assert time.monotonic() - t0 < 5
-    recv(router, m.Register)
-    send(router, ident, m.Complete(7, 42, {}, {}))
+    peer.recv(m.Register)
+    peer.send(ident, m.Complete(7, 42, {}, {}))
     time.sleep(0.5)
     assert rx.poll(7) == RoomStatus.WaitingForInput  # not before rank 1 scattered its chunk
     slow.answer(True)
@@ -136,11 +116,11 @@ def test_a_slow_rank_scatter_never_blocks_the_control_thread_and_defers_complete
 
 
 def test_a_room_that_fails_keeps_its_pages_until_its_rank_scatter_ended(setup):
-    lay, rx, slow, router, addr = setup
+    lay, rx, slow, peer = setup
     released: dict[int, list[str]] = {}
-    ident = staged_on_rank_1(lay, rx, router, addr, 9, released)
+    ident = staged_on_rank_1(lay, rx, peer, 9, released)
     assert slow.arrived.wait(10)
-    send(router, ident, m.Fail(9, "prefill gave up"))  # its writes drained: no quarantine
+    peer.send(ident, m.Fail(9, "prefill gave up"))  # its writes drained: no quarantine
     time.sleep(0.5)
     assert rx.poll(9) == RoomStatus.Failed
     assert released == {}  # rank 1 may still write into the room's pages
@@ -153,9 +133,9 @@ def test_a_room_that_fails_keeps_its_pages_until_its_rank_scatter_ended(setup):
 
 
 def test_a_failed_rank_scatter_fails_only_its_room(setup):
-    lay, rx, slow, router, addr = setup
+    lay, rx, slow, peer = setup
     released: dict[int, list[str]] = {}
-    staged_on_rank_1(lay, rx, router, addr, 11, released)
+    staged_on_rank_1(lay, rx, peer, 11, released)
     assert slow.arrived.wait(10)
     slow.answer(False)
     assert rx.wait(11, 10) == RoomStatus.Failed

@@ -21,7 +21,8 @@ from stagepeer import Collector, PrefillProcess, tiny_params
 from backends.runtime.eagle import EagleHead
 from backends.runtime.engine import LLMEngine
 from backends.runtime.kv_pool import KVPool
-from backends.runtime.runner import ModelRunner, SeqInput
+from backends.runtime.loader import load_runner
+from backends.runtime.paged import SeqInput
 from backends.runtime.sampler import SamplingParams
 from backends.runtime.spec import DraftSpec
 from backends.runtime.spec_eagle import spec_engine
@@ -129,7 +130,7 @@ def test_spec_disaggregated_equals_colocated_and_transformers(case):
         for c in outs:
             assert c.done.wait(60)
         kv_dtype = params.get("kv_cache_dtype", "auto")
-        target = ModelRunner.load(params["model_dir"], kv_cache_dtype=kv_dtype)
+        target = load_runner(params["model_dir"], kv_cache_dtype=kv_dtype)
         for pool in decode.pools.values():  # both entries (MLA target, GQA draft) in kv_dtype
             assert pool.layout.dtype == target.kv_dtype
             assert bool(pool.layout.scale_log2) == (kv_dtype != "auto")
@@ -175,7 +176,7 @@ def test_spec_disaggregated_equals_colocated_and_transformers(case):
         assert st["spec_mean_accepted_length"] == colo.stats.mean_accepted_length
         # the drafts agree with their target now and then (a head trained for seconds on a
         # random tiny model hardly ever does: its acceptance is checked with SmolLM2 in
-        # bench_spec.py, and forced in test_spec_eagle.py)
+        # benchmarks.spec, and forced in test_spec_eagle.py)
         assert st["spec_accepted"] > 0 or head
         print(f"{case}: disaggregated {decode.engine.stats.as_dict()}")
         _wait_free(decode, prefill)

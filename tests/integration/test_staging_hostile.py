@@ -6,15 +6,13 @@ only, and its pages and slots wait for the peer's drain."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
-import zmq
 from kvpeer import LAYOUTS
+from scripted_prefill import ScriptedPrefill, receiver_config
 
-from kvtransfer import EntryLayout, KVReceiver, TransferConfig
+from kvtransfer import EntryLayout, KVReceiver
 from kvtransfer import messages as m
 from kvtransfer.memory.layout import staging_rows
 
@@ -29,59 +27,39 @@ def setup():
     lay = EntryLayout(role="target", page_size=PAGE, num_pages=POOL, **LAYOUTS["gqa"])
     buf = np.zeros(lay.nbytes, np.uint8)
     lay = lay.with_pool(POOL, buf.ctypes.data)
-    cfg = TransferConfig(
-        shared_secret=SECRET,
-        staging_slot_bytes=4 * lay.page_bytes,
-        staging_recv_slots=4,
-        staging_grants_per_room=2,
-        heartbeat_interval_s=60.0,  # the scripted peer never pongs: chunks, not liveness, here
-    )
+    cfg = receiver_config(SECRET, 4 * lay.page_bytes, slots=4, grants=2)
     rx = KVReceiver(cfg, {"target": lay}, {"target": torch.from_numpy(buf)})
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
+    peer = ScriptedPrefill(SECRET)
     released: dict[int, list[str]] = {}
-    yield lay, buf, rx, router, f"127.0.0.1:{port}", released
-    ctx.destroy(linger=0)
+    yield lay, buf, rx, peer, released
+    peer.close()
     rx.close()
 
 
-def recv(router, kind, timeout=10.0):
-    end = time.time() + timeout
-    while time.time() < end:
-        if router.poll(200):
-            ident, frame = router.recv_multipart()
-            msg = m.decode(frame, SECRET)
-            if isinstance(msg, kind):
-                return ident, msg
-    raise AssertionError(f"no {kind.__name__} from decode")
 
 
-def claim(lay, rx, router, addr, room, pages, released):
+def claim(lay, rx, peer, room, pages, released):
     cb = lambda r, s: released.setdefault(r, []).append(s.name)  # noqa: E731
-    rx.register(room, [addr], {"target": pages}, TOKENS, cb)
-    ident, reg = recv(router, m.Register)
+    rx.register(room, [peer.addr], {"target": pages}, TOKENS, cb)
+    ident, reg = peer.recv(m.Register)
     assert reg.staging_slots == 4 and reg.staging_slot_bytes == 4 * lay.page_bytes
-    router.send_multipart([ident, m.encode(m.Ack(room, {"target": lay.signature()}), SECRET)])
-    router.send_multipart([ident, m.encode(m.Want(room, 5), SECRET)])
-    grants = [recv(router, m.Grant)[1] for _ in range(2)]  # capped at 2 per room
+    peer.send(ident, m.Ack(room, {"target": lay.signature()}))
+    peer.send(ident, m.Want(room, 5))
+    grants = [peer.recv(m.Grant)[1] for _ in range(2)]  # capped at 2 per room
     assert {g.room for g in grants} == {room}
     return ident, reg, [g.slot for g in grants]
 
 
-def send(router, ident, msg):
-    router.send_multipart([ident, m.encode(msg, SECRET)])
 
 
 def test_chunk_lands_only_in_the_rooms_pages_and_bad_chunks_fail_the_room(setup):
-    lay, buf, rx, router, addr, released = setup
+    lay, buf, rx, peer, released = setup
     pages = [40, 3, 17, 9, 60, 22]
-    ident, reg, slots = claim(lay, rx, router, addr, 7, pages, released)
+    ident, reg, slots = claim(lay, rx, peer, 7, pages, released)
     rx.staging.area.buffer[:] = 0xAB  # what a write of the slot would have put there
     # units 5..8 of layers [1, 3): cross the K/V boundary of layer 1
-    send(router, ident, m.Staged(7, slots[0], "target", 1, 3, 5, 4))
-    _, again = recv(router, m.Grant)  # served: the slot comes back to the same room
+    peer.send(ident, m.Staged(7, slots[0], "target", 1, 3, 5, 4))
+    _, again = peer.recv(m.Grant)  # served: the slot comes back to the same room
     assert again == m.Grant(7, slots[0])
     rows = staging_rows(lay, pages, range(1, 3), 5, 4)
     view = buf.reshape(-1, lay.page_bytes)
@@ -91,12 +69,12 @@ def test_chunk_lands_only_in_the_rooms_pages_and_bad_chunks_fail_the_room(setup)
 
     # a slot that is not this room's (never lent to it): the room fails, nothing is written
     foreign = next(s for s in range(4) if s not in slots)
-    send(router, ident, m.Staged(7, foreign, "target", 0, 1, 0, 1))
-    _, abort = recv(router, m.Abort)
+    peer.send(ident, m.Staged(7, foreign, "target", 0, 1, 0, 1))
+    _, abort = peer.recv(m.Abort)
     assert abort.room == 7 and "not lent to this room" in abort.reason
     assert rx.poll(7).name == "Failed" and 7 not in released  # quarantined until the drain
     assert not view[others].any()
-    send(router, ident, m.Fail(7, "drained"))
+    peer.send(ident, m.Fail(7, "drained"))
     rx.wait(7, 10)
     assert released[7] == ["Failed"]
 
@@ -116,31 +94,31 @@ def test_chunk_lands_only_in_the_rooms_pages_and_bad_chunks_fail_the_room(setup)
     ],
 )
 def test_out_of_bounds_chunks_fail_only_that_room(setup, bad, why):
-    lay, buf, rx, router, addr, released = setup
-    ident, _, slots_a = claim(lay, rx, router, addr, 8, [1, 2, 3, 4, 5, 6], released)
-    _, _, slots_b = claim(lay, rx, router, addr, 9, [11, 12, 13, 14, 15, 16], released)
+    lay, buf, rx, peer, released = setup
+    ident, _, slots_a = claim(lay, rx, peer, 8, [1, 2, 3, 4, 5, 6], released)
+    _, _, slots_b = claim(lay, rx, peer, 9, [11, 12, 13, 14, 15, 16], released)
     rx.staging.area.buffer[:] = 0xCD
     kw = dict(room=8, slot=slots_a[0], role="target", layer_start=0, layer_stop=2, start=0)
     kw["slot"] = 0 if "rank" in bad else kw["slot"]
     kw.update(count=1, **{k: v for k, v in bad.items() if k != "count"})
     kw["count"] = bad.get("count", 1)
-    send(router, ident, m.Staged(**kw))
-    _, abort = recv(router, m.Abort)
+    peer.send(ident, m.Staged(**kw))
+    _, abort = peer.recv(m.Abort)
     assert abort.room == 8 and why in abort.reason
     assert not buf.any()  # no byte anywhere
-    send(router, ident, m.Staged(9, slots_b[0], "target", 0, 4, 0, 4))  # room 9 still served
-    assert recv(router, m.Grant)[1] == m.Grant(9, slots_b[0])
+    peer.send(ident, m.Staged(9, slots_b[0], "target", 0, 4, 0, 4))  # room 9 still served
+    assert peer.recv(m.Grant)[1] == m.Grant(9, slots_b[0])
     assert rx.poll(9).name != "Failed" and buf.any()
 
 
 def test_a_head_slice_lands_in_those_heads_only(setup):
     """A TP prefill's chunk of head 1 (of 2) lands in head 1 of the room's rows, nothing else."""
-    lay, buf, rx, router, addr, released = setup
+    lay, buf, rx, peer, released = setup
     pages = [5, 33, 2, 48, 19, 7]
-    ident, _, slots = claim(lay, rx, router, addr, 10, pages, released)
+    ident, _, slots = claim(lay, rx, peer, 10, pages, released)
     rx.staging.area.buffer[:] = 0x5A
-    send(router, ident, m.Staged(10, slots[0], "target", 0, 2, 3, 6, 0, 1, 1))
-    assert recv(router, m.Grant)[1] == m.Grant(10, slots[0])
+    peer.send(ident, m.Staged(10, slots[0], "target", 0, 2, 3, 6, 0, 1, 1))
+    assert peer.recv(m.Grant)[1] == m.Grant(10, slots[0])
     rows = staging_rows(lay, pages, range(0, 2), 3, 6)
     view = buf.reshape(-1, PAGE, 2, lay.page_bytes // PAGE // 2)  # [rows, tokens, heads, bytes]
     assert (view[rows, :, 1] == 0x5A).all() and not view[rows, :, 0].any()

@@ -1,7 +1,7 @@
 """A real model's KV moved between a prefill and a decode of different TP sizes, then decoded.
 
 KVSender (prefill rank 0) and KVReceiver (decode rank 0) in this process, every other rank a TP
-worker process running its KV agent (kvtransfer/rank_agent.py: own Mooncake engine, staging
+worker process running its KV agent (kvtransfer/tp/agent.py: own Mooncake engine, staging
 slots over its pool shard): decode registers every rank (protocol 6), prefill pairs the ranks
 head by head and each rank sends its own shard through slots small enough for several chunks a
 piece. Decode then continues from the moved KV (``add_prefilled``) and must give transformers'

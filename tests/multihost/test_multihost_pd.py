@@ -2,7 +2,7 @@
 
 Two ``serve.sh --role prefill`` servers and one ``serve.sh --role decode --prefill-servers``
 server, each in a namespace this test makes (veth pairs on a bridge, private addresses, tc
-rate limits; tests/helpers/netns.py); the client runs inside the decode server's namespace.
+rate limits; benchmarks/netns.py); the client runs inside the decode server's namespace.
 Where no namespace can be made (not root), the same servers run on 127.0.0.1 (say so: skip
 reason printed). Checks: greedy outputs (gRPC, streaming and not) equal the reference; both
 prefill servers took requests; SIGKILL of one prefill server during 32 concurrent requests
@@ -20,10 +20,11 @@ import subprocess
 import sys
 import time
 
-import netns
 import pytest
 from eagle_heads import random_head
 from triton_harness import MODEL, ROOT, Reference, free_port
+
+from benchmarks import netns
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

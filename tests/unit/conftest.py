@@ -1,10 +1,11 @@
 """Fixtures shared by the unit tests: runners of the tiny random checkpoints (built once), and
-the device switch: with ``PD_TEST_DEVICE=cuda`` (scripts/gpu_check.sh) every ModelRunner the
-tests load runs on that device, so the same oracle tests check the CUDA path."""
+the device switch: with ``PD_TEST_DEVICE=cuda`` (scripts/gpu_check.sh) every runner the tests
+load without naming a device runs on that device, so the same oracle tests check the CUDA path."""
 
 import pytest
 import runtime_models as rm
 
+from backends.runtime.loader import load_runner
 from backends.runtime.runner import ModelRunner
 
 
@@ -13,23 +14,22 @@ def _runtime_device():
     if rm.DEVICE == "cpu":
         yield
         return
-    load = ModelRunner.load.__func__
-
-    def on_device(cls, path, *, dtype="float32", device=rm.DEVICE, num_layers=None, **kw):
-        return load(cls, path, dtype=dtype, device=device, num_layers=num_layers, **kw)
-
-    ModelRunner.load = classmethod(on_device)
+    # the loader's default device, changed on the function itself: every module that imported
+    # load_runner sees it (a replaced module attribute would miss those)
+    defaults = load_runner.__kwdefaults__
+    was = defaults["device"]
+    defaults["device"] = rm.DEVICE
     yield
-    ModelRunner.load = classmethod(load)
+    defaults["device"] = was
 
 
 @pytest.fixture(scope="session")
 def llama() -> ModelRunner:
     """Tiny random Llama (GQA, 4 layers)."""
-    return ModelRunner.load(rm.checkpoint("llama"))
+    return load_runner(rm.checkpoint("llama"))
 
 
 @pytest.fixture(scope="session")
 def mla() -> ModelRunner:
     """Tiny random DeepSeek-V3 (MLA + MoE)."""
-    return ModelRunner.load(rm.checkpoint("deepseek_v3"))
+    return load_runner(rm.checkpoint("deepseek_v3"))

@@ -1,4 +1,4 @@
-"""scripts/bench/bench_decode_attn.py, its short variant: both checkouts timed round by round,
+"""benchmarks.decode_attn, its short variant: both checkouts timed round by round,
 each in its own process, and the bytes-per-second figure follows from the shapes."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-import bench_decode_attn
+from benchmarks import decode_attn as bench_decode_attn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -1,13 +1,12 @@
-"""scripts/bench/bench_linear.py, its short variant: every path that applies at a row count is
+"""benchmarks.linear, its short variant: every path that applies at a row count is
 timed, and only those (the small-row kernel up to SMALL_ROWS rows, oneDNN for float32)."""
 
 from __future__ import annotations
 
 import json
 
-import bench_linear
-
 from backends.runtime.kernels import SMALL_ROWS
+from benchmarks import linear as bench_linear
 
 
 def run(capsys, *args: str) -> dict:

@@ -1,15 +1,15 @@
-"""scripts/bench_ttft.py: the pure logic (groups per mode, exposed fraction, summary, arguments)."""
+"""benchmarks.ttft: the pure logic (groups per mode, exposed fraction, summary, arguments)."""
 
 from __future__ import annotations
 
 import json
 
-import bench_ttft
 import pytest
-from ttft_lib import analysis as an
-from ttft_lib.report import markdown_table
 
 from backends.stages.policy import LayerGroupPolicy
+from benchmarks.ttft import analysis as an
+from benchmarks.ttft import run as bench_ttft
+from benchmarks.ttft.report import markdown_table
 
 
 def test_exposed_fraction_math():

@@ -1,4 +1,4 @@
-"""scripts/bench/bench_vs_vllm.py without vLLM: the worker protocol of this runtime's worker on a
+"""benchmarks.vs_vllm without vLLM: the worker protocol of this runtime's worker on a
 tiny checkpoint, and the ratios / table built from measured times."""
 
 from __future__ import annotations
@@ -8,15 +8,17 @@ import os
 import subprocess
 import sys
 
-import bench_vs_vllm as bv
 import runtime_models as rm
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench", "bench_vs_vllm.py")
+from benchmarks import vs_vllm as bv
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 def test_ours_worker_protocol():
-    cmd = [sys.executable, SCRIPT, "--worker", "ours", "--model", rm.checkpoint("llama")]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    cmd = [sys.executable, "-m", "benchmarks.vs_vllm", "--worker", "ours", "--model"]
+    cmd += [rm.checkpoint("llama")]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     prompts = [rm.random_prompt(5, seed=1), rm.random_prompt(9, seed=2)]
     req = json.dumps({"prompts": prompts, "max_tokens": 4}) + "\n"
     req += json.dumps({"prompts": prompts, "max_tokens": 4, "wall": True}) + "\n"  # generate()

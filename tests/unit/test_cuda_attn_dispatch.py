@@ -16,7 +16,8 @@ import runtime_models as rm
 import torch
 
 from backends.runtime import cuda_attn
-from backends.runtime.runner import ModelRunner, SeqInput
+from backends.runtime.loader import load_runner
+from backends.runtime.paged import SeqInput
 
 
 def forward(runner, prompt):
@@ -27,8 +28,9 @@ def forward(runner, prompt):
 def test_cpu_forward_does_not_import_triton():
     code = (
         "import sys\n"
-        "from backends.runtime.runner import ModelRunner, SeqInput\n"
-        f"r = ModelRunner.load({rm.checkpoint('llama')!r})\n"
+        "from backends.runtime.loader import load_runner\n"
+        "from backends.runtime.paged import SeqInput\n"
+        f"r = load_runner({rm.checkpoint('llama')!r})\n"
         "p = r.make_pool(4, 4)\n"
         "r.forward(p, [SeqInput([5, 6, 7], 0, p.alloc(1))])\n"
         "r.decode(p, [8], [3], [p.alloc(0) + [0]])\n"
@@ -47,7 +49,7 @@ def test_cpu_forward_does_not_import_triton():
 
 def test_failing_kernel_falls_back_to_sdpa_once(monkeypatch, caplog):
     monkeypatch.setenv("PD_RUNTIME_ATTENTION", "auto")  # gpu_check.sh runs with triton
-    runner = ModelRunner.load(rm.checkpoint("llama"))
+    runner = load_runner(rm.checkpoint("llama"))
     prompt = rm.random_prompt(11, seed=3)
     want = forward(runner, prompt)
     calls = []
@@ -69,7 +71,7 @@ def test_failing_kernel_falls_back_to_sdpa_once(monkeypatch, caplog):
 
 def test_triton_setting_raises_the_kernel_failure(monkeypatch):
     monkeypatch.setenv("PD_RUNTIME_ATTENTION", "triton")
-    runner = ModelRunner.load(rm.checkpoint("llama"))
+    runner = load_runner(rm.checkpoint("llama"))
 
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel for this GPU")
@@ -83,7 +85,7 @@ def test_triton_setting_raises_the_kernel_failure(monkeypatch):
 
 def test_sdpa_setting_never_calls_the_kernel(monkeypatch):
     monkeypatch.setenv("PD_RUNTIME_ATTENTION", "sdpa")
-    runner = ModelRunner.load(rm.checkpoint("llama"))
+    runner = load_runner(rm.checkpoint("llama"))
     calls = []
     kernel = types.SimpleNamespace(paged_attention=lambda *a, **k: calls.append(1))
     monkeypatch.setattr(cuda_attn, "DEVICE_TYPES", ("cuda", "cpu"))

@@ -10,7 +10,7 @@ import runtime_models as rm
 import torch
 
 from backends.runtime.engine import LLMEngine
-from backends.runtime.runner import ModelRunner
+from backends.runtime.loader import load_runner
 from backends.runtime.sampler import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -28,7 +28,7 @@ def generate(runner, prompts, steps, graphs: bool):
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
 def test_graphs_greedy_equals_eager_and_transformers(kind):
-    runner = ModelRunner.load(rm.checkpoint(kind), device="cuda")
+    runner = load_runner(rm.checkpoint(kind), device="cuda")
     prompts = [rm.random_prompt(n, seed=n) for n in (5, 19, 9, 30, 2)]
     steps = (12, 3, 12, 7, 12)
     eager, _ = generate(runner, prompts, steps, graphs=False)
@@ -44,11 +44,11 @@ def test_graphs_by_default_for_gqa_models_with_the_triton_attention(monkeypatch)
     buffers do not serve) and PD_RUNTIME_CUDA_GRAPHS=0."""
     monkeypatch.delenv("PD_RUNTIME_CUDA_GRAPHS", raising=False)
     monkeypatch.delenv("PD_RUNTIME_ATTENTION", raising=False)
-    assert ModelRunner.load(rm.checkpoint("llama"), device="cuda").use_graphs
-    assert not ModelRunner.load(rm.checkpoint("deepseek_v3"), device="cuda").use_graphs
+    assert load_runner(rm.checkpoint("llama"), device="cuda").use_graphs
+    assert not load_runner(rm.checkpoint("deepseek_v3"), device="cuda").use_graphs
     monkeypatch.setenv("PD_RUNTIME_ATTENTION", "sdpa")
-    assert not ModelRunner.load(rm.checkpoint("llama"), device="cuda").use_graphs
+    assert not load_runner(rm.checkpoint("llama"), device="cuda").use_graphs
     monkeypatch.setenv("PD_RUNTIME_ATTENTION", "auto")
     monkeypatch.setenv("PD_RUNTIME_CUDA_GRAPHS", "0")
-    assert not ModelRunner.load(rm.checkpoint("llama"), device="cuda").use_graphs
+    assert not load_runner(rm.checkpoint("llama"), device="cuda").use_graphs
 

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-import health  # noqa: E402
+from scripts import health
 
 
 def test_verdict_names_the_cause():

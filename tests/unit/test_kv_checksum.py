@@ -1,5 +1,5 @@
-"""kv_checksum's sums (kvtransfer/checksum.py): position-wise over the page list, equal on both
-sides for the same bytes whatever the page ids, the GPU path (gather) equal to the CPU path,
+"""kv_checksum's sums (kvtransfer/protocol/checksum.py): position-wise over the page list, equal on
+both sides for the same bytes whatever the page ids, the GPU path (gather) equal to the CPU path,
 and a flipped bit named by entry and layer."""
 
 import random

@@ -3,7 +3,7 @@ by the glue; a room's KV transfer time and bytes reach them once, only when it s
 
 from backends.stages.latency import Observations
 from backends.stages.metrics import HISTOGRAMS
-from kvtransfer.stats import TransferStats
+from kvtransfer.control.stats import TransferStats
 
 
 def test_request_timestamps_become_observations_and_drain_once():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from backends.stages.prefill_batch import chunks, take
+from backends.stages.prefill.batch import chunks, take
 
 
 def test_take_fills_the_budget_in_order_and_skips_rooms_no_longer_ready():

@@ -7,9 +7,8 @@ import pytest
 
 from backends.runtime.sampler import SamplingParams
 from backends.stages import errors
-from backends.stages.prefill_client import Refused
 from backends.stages.request import StageRequest
-from backends.stages.router import NoPrefillServer, PrefillRouter, ServerState
+from backends.stages.router import NoPrefillServer, PrefillRouter, Refused, ServerState
 
 
 class FakeForward:
@@ -235,7 +234,7 @@ def test_colocated_needs_no_prefill_server():
 
 def test_a_dns_name_with_several_addresses_is_one_server_each(monkeypatch):
     """A Kubernetes headless Service: scaling the prefill pool changes the name's addresses."""
-    from backends.stages import router as rt
+    from backends.stages.router import servers as rt
 
     addrs = {"pd-prefill": ["10.1.0.5", "10.1.0.7"]}
     monkeypatch.setattr(rt.socket, "gethostbyname_ex", lambda h: (h, [], addrs[h]))
@@ -250,8 +249,8 @@ def test_a_dns_name_with_several_addresses_is_one_server_each(monkeypatch):
 def test_a_forwarded_request_asks_prefill_to_hold_the_call_until_the_room_is_done():
     """Failover needs the forwarded call open until prefill is done with the room (a dying server
     breaks it); the prefill model closes a call with its answer unless asked (the ensemble)."""
-    from backends.stages.prefill_client import infer_request
     from backends.stages.request import HOLD_PARAM
+    from backends.stages.router.client import infer_request
 
     req = StageRequest(room=7, prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4))
     msg = infer_request(req, fingerprint="")

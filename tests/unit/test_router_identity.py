@@ -13,7 +13,7 @@ from test_router import FakeClient, req
 
 from backends.stages.fingerprint import ForwardCheck, Incompatible, from_labels, info_labels
 from backends.stages.router import NoPrefillServer, PrefillRouter, ServerState
-from kvtransfer.identity import Fingerprint, key_id
+from kvtransfer.protocol.identity import Fingerprint, key_id
 
 OURS = Fingerprint(5, key_id("B" * 32), "a" * 32, "smollm2", "", "float32/page16")
 OTHER_SECRET = msgspec.structs.replace(OURS, key_id=key_id("A" * 32))

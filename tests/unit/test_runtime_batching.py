@@ -9,14 +9,14 @@ import pytest
 import runtime_models as rm
 
 from backends.runtime.engine import LLMEngine
-from backends.runtime.runner import ModelRunner
+from backends.runtime.loader import load_runner
 from backends.runtime.sampler import SamplingParams
 from backends.runtime.sequence import FinishReason
 
 
 @pytest.fixture(scope="module", params=["qwen2", "deepseek_v3"])
 def runner(request):
-    return ModelRunner.load(rm.checkpoint(request.param))
+    return load_runner(rm.checkpoint(request.param))
 
 
 def _solo(runner, prompt, max_tokens):

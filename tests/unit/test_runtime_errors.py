@@ -16,13 +16,13 @@ from backends.runtime.config import (
 )
 from backends.runtime.engine import LLMEngine
 from backends.runtime.kv_pool import OutOfPagesError
-from backends.runtime.runner import ModelRunner
+from backends.runtime.loader import load_runner
 from backends.runtime.sampler import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def runner():
-    return ModelRunner.load(rm.checkpoint("llama"))
+    return load_runner(rm.checkpoint("llama"))
 
 
 def _copy_with_config(tmp_path, **changes):
@@ -38,7 +38,7 @@ def _copy_with_config(tmp_path, **changes):
 def test_unsupported_architecture_lists_supported(tmp_path):
     path = _copy_with_config(tmp_path, architectures=["GPT2LMHeadModel"], model_type="gpt2")
     with pytest.raises(UnsupportedArchitectureError) as err:
-        ModelRunner.load(path)
+        load_runner(path)
     for arch in SUPPORTED_ARCHITECTURES:
         assert arch in str(err.value)
     assert "GPT2LMHeadModel" in str(err.value)
@@ -64,17 +64,17 @@ def test_missing_weight_files(tmp_path):
     shutil.copytree(rm.checkpoint("llama"), path)
     os.remove(path / "model.safetensors")
     with pytest.raises(FileNotFoundError, match=r"no weights in model directory.*safetensors"):
-        ModelRunner.load(str(path))
+        load_runner(str(path))
     (path / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"x": "model-00001-of-00002.safetensors"}})
     )
     with pytest.raises(FileNotFoundError, match="model-00001-of-00002.safetensors"):
-        ModelRunner.load(str(path))
+        load_runner(str(path))
 
 
 def test_missing_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
-        ModelRunner.load(str(tmp_path))
+        load_runner(str(tmp_path))
 
 
 def test_request_errors(runner):
@@ -140,7 +140,7 @@ def test_pool_matches_layout(runner):
     assert tuple(pool.tensor.shape) == layout.buffer_shape() == (4, 2, 5, 4, 2, 16)
     assert layout.base_addr == pool.tensor.data_ptr()
     assert layout.nbytes == pool.tensor.numel() * pool.tensor.element_size()
-    mla = ModelRunner.load(rm.checkpoint("deepseek_v3")).make_pool(5, 4, role="draft")
+    mla = load_runner(rm.checkpoint("deepseek_v3")).make_pool(5, 4, role="draft")
     assert tuple(mla.tensor.shape) == (4, 5, 4, 16 + 8)
     assert (mla.layout.kv_lora_rank, mla.layout.rope_dim, mla.layout.role) == (16, 8, "draft")
 

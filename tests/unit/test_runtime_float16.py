@@ -13,7 +13,7 @@ import torch
 
 from backends.runtime.dtypes import MODEL_DTYPES, model_dtype
 from backends.runtime.engine import LLMEngine
-from backends.runtime.runner import ModelRunner
+from backends.runtime.loader import load_runner
 from backends.runtime.sampler import SamplingParams
 
 KINDS = ["llama", "qwen2", "mistral", "deepseek_v3", "deepseek_v2"]
@@ -28,7 +28,7 @@ def hf_half(path: str, dtype: str = "float16"):
 
 def test_float16_is_a_model_dtype():
     from backends.stages.params import StageParams
-    from kvtransfer.layout import DTYPE_SIZES
+    from kvtransfer.memory.layout import DTYPE_SIZES
 
     assert "float16" in MODEL_DTYPES and model_dtype("float16") == torch.float16
     assert StageParams(dtype="float16").dtype == "float16"  # the stage parameter takes it
@@ -39,7 +39,7 @@ def test_float16_is_a_model_dtype():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_float16_greedy_matches_transformers_float16(kind):
-    runner = ModelRunner.load(rm.checkpoint(kind), dtype="float16")
+    runner = load_runner(rm.checkpoint(kind), dtype="float16")
     pool = runner.make_pool(32, 8)
     assert pool.tensor.dtype == torch.float16 and pool.layout.dtype == "float16"
     hf = hf_half(rm.checkpoint(kind))
@@ -59,7 +59,7 @@ def test_smollm2_half_greedy_matches_transformers_same_dtype(dtype):
     from backends.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer(MODEL)
-    runner = ModelRunner.load(MODEL, dtype=dtype)
+    runner = load_runner(MODEL, dtype=dtype)
     hf = hf_half(MODEL, dtype)
     pool = runner.make_pool(64, 16)
     pool.shuffle_free_list(seed=5)

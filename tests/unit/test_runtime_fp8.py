@@ -16,10 +16,10 @@ import torch
 from backends.runtime import kv_quant
 from backends.runtime.decode_attn import cpu_decode_attention
 from backends.runtime.engine import LLMEngine
-from backends.runtime.paged import BatchMeta, paged_attention
-from backends.runtime.runner import ModelRunner, SeqInput
+from backends.runtime.loader import load_runner
+from backends.runtime.paged import BatchMeta, SeqInput, paged_attention
 from backends.runtime.sampler import SamplingParams
-from kvtransfer.layout import EntryLayout, check_compatible
+from kvtransfer.memory.layout import EntryLayout, check_compatible
 
 FP8 = "float8_e4m3fn"
 MARGIN = 0.5
@@ -72,7 +72,7 @@ def test_fp8_is_part_of_the_deployment_identity():
         "bfloat16/page16"
     )
     with pytest.raises(ValueError, match="not supported with tensor parallelism"):
-        ModelRunner.load(tiny, kv_cache_dtype=FP8, tensor_parallel_size=2)
+        load_runner(tiny, kv_cache_dtype=FP8, tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize("mla", [False, True])
@@ -112,7 +112,7 @@ def equal_until_low_margin(path: str, prompts: list[list[int]], max_tokens: int)
     margin under MARGIN; -> the equal-token count of each prompt."""
     outs = {}
     for kv in ("auto", FP8):
-        runner = ModelRunner.load(path, kv_cache_dtype=kv)
+        runner = load_runner(path, kv_cache_dtype=kv)
         pool = runner.make_pool(96, 16)
         pool.shuffle_free_list(seed=3)
         engine = LLMEngine(runner, pool, max_batch=4)
@@ -150,6 +150,6 @@ def test_fp8_smollm2_greedy_and_scales():
              "Write a haiku about the sea.", "List three prime numbers."]  # fmt: skip
     counts = equal_until_low_margin(MODEL, [tok.encode(t, chat=True) for t in texts], 48)
     print(f"smollm2: fp8 equal tokens {counts} of 48 (or EOS)")
-    runner = ModelRunner.load(MODEL, kv_cache_dtype=FP8)
+    runner = load_runner(MODEL, kv_cache_dtype=FP8)
     assert len(runner.kv_scale_log2) == 2 * runner.config.num_layers
-    assert runner.kv_scale_log2 == ModelRunner.load(MODEL, kv_cache_dtype=FP8).kv_scale_log2
+    assert runner.kv_scale_log2 == load_runner(MODEL, kv_cache_dtype=FP8).kv_scale_log2

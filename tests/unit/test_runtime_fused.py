@@ -20,10 +20,10 @@ from backends.runtime.cpu_kernels import cpu_ops
 from backends.runtime.engine import LLMEngine
 from backends.runtime.kernels import KernelSettings
 from backends.runtime.layers import RMSNorm
+from backends.runtime.loader import load_runner
 from backends.runtime.paged import BatchMeta
 from backends.runtime.prefill_attn import cpu_prefill_attention
 from backends.runtime.rope import RotaryEmbedding
-from backends.runtime.runner import ModelRunner
 from backends.runtime.sampler import SamplingParams
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -165,7 +165,7 @@ def test_runtime_kernels_give_the_tokens_of_torch_ops(monkeypatch, kind):
     for attention, fused in (("auto", "auto"), ("sdpa", "torch")):
         monkeypatch.setenv("PD_RUNTIME_ATTENTION", attention)
         monkeypatch.setenv("PD_RUNTIME_FUSED", fused)
-        runner = ModelRunner.load(rm.checkpoint(kind))
+        runner = load_runner(rm.checkpoint(kind))
         engine = LLMEngine(runner, runner.make_pool(64, 4), max_batch=4)
         outs.append([s.output_ids for s in engine.generate([(p, params) for p in prompts])])
     assert outs[0] == outs[1]
@@ -195,8 +195,10 @@ def test_without_a_compiler_torch_ops_run(monkeypatch, tmp_path):
 
 
 def test_kernel_library_is_the_same_however_the_package_is_found(tmp_path):
-    """Scripts put ``scripts/..`` on sys.path: they must load the library setup.sh built (a
-    cache key over the unnormalised path rebuilt the kernels, ~40 s, on a script's first run)."""
+    """A checkout found through an unnormalised path (``scripts/..`` on PYTHONPATH, as scripts
+    once put it first on the import path) must load the library setup.sh built (a cache key
+    over the unnormalised path rebuilt the kernels, ~40 s, on a script's first run)."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -204,8 +206,8 @@ def test_kernel_library_is_the_same_however_the_package_is_found(tmp_path):
     from backends.runtime import cpu_kernels
 
     root = Path(cpu_kernels.__file__).resolve().parents[2]
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from backends.runtime import cpu_kernels;"
-            " print(cpu_kernels.library_path())")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code, str(root / "scripts" / "..")], cwd=tmp_path,
+    code = "from backends.runtime import cpu_kernels; print(cpu_kernels.library_path())"
+    env = dict(os.environ, PYTHONPATH=str(root / "scripts" / ".."))
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                          capture_output=True, text=True, check=True, timeout=120)  # fmt: skip
     assert out.stdout.strip() == str(cpu_kernels.library_path())

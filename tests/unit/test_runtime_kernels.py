@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from backends.runtime.cpu_kernels import cpu_ops, paged_decode_op
 from backends.runtime.engine import LLMEngine
 from backends.runtime.kernels import SMALL_ROWS, KernelSettings, Linear, slow_bf16_gemm
-from backends.runtime.runner import ModelRunner, SeqInput
+from backends.runtime.loader import load_runner
+from backends.runtime.paged import SeqInput
 from backends.runtime.sampler import SamplingParams
 
 
@@ -141,7 +142,7 @@ def test_model_with_torch_linear_gives_the_same_tokens(monkeypatch):
     outs = []
     for choice in ("auto", "torch"):
         monkeypatch.setenv("PD_RUNTIME_LINEAR", choice)
-        runner = ModelRunner.load(rm.checkpoint("llama"))
+        runner = load_runner(rm.checkpoint("llama"))
         engine = LLMEngine(runner, runner.make_pool(40, 4), max_batch=4)
         outs.append([s.output_ids for s in engine.generate([(p, params) for p in prompts])])
     assert outs[0] == outs[1]
@@ -156,7 +157,7 @@ def test_cpu_decode_kernel_gives_the_tokens_of_sdpa(monkeypatch, kind):
     outs = []
     for choice in ("auto", "sdpa"):
         monkeypatch.setenv("PD_RUNTIME_ATTENTION", choice)
-        runner = ModelRunner.load(rm.checkpoint(kind))
+        runner = load_runner(rm.checkpoint(kind))
         engine = LLMEngine(runner, runner.make_pool(64, 4), max_batch=4)
         outs.append([s.output_ids for s in engine.generate([(p, params) for p in prompts])])
     assert paged_decode_op() is not None
@@ -192,7 +193,7 @@ def test_prefill_runs_the_last_layer_on_the_last_rows_with_the_same_bits(kind, d
     SMALL_ROWS). Their logits must equal the whole forward's (every row through every layer,
     as ``features`` asks) bit for bit: in a batch past the padding (GQA, and MLA with MoE) and
     in one under it."""
-    runner = ModelRunner.load(rm.checkpoint(kind), dtype=dtype)
+    runner = load_runner(rm.checkpoint(kind), dtype=dtype)
     for lengths in [(40, 33, 27), (5, 9)]:
         prompts = [rm.random_prompt(n, seed=n) for n in lengths]
         got = []

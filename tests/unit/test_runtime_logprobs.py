@@ -8,7 +8,7 @@ import runtime_models as rm
 import torch
 
 from backends.runtime.engine import LLMEngine
-from backends.runtime.runner import SeqInput
+from backends.runtime.paged import SeqInput
 from backends.runtime.sampler import SamplingParams, TokenLogprob, token_logprobs
 
 TOL = 1e-4 if rm.DEVICE == "cpu" else 2e-3

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import runtime_models as rm
 
-from backends.runtime.runner import ModelRunner
+from backends.runtime.loader import load_runner
 
 KINDS = ["llama", "qwen2", "mistral", "deepseek_v3", "deepseek_v2"]
 
@@ -17,7 +17,7 @@ def kind(request):
 
 @pytest.fixture(scope="module")
 def runner(kind):
-    return ModelRunner.load(rm.checkpoint(kind))
+    return load_runner(rm.checkpoint(kind))
 
 
 def test_config_parsed(kind, runner):

@@ -6,12 +6,13 @@ import pytest
 import runtime_models as rm
 import torch
 
-from backends.runtime.runner import ModelRunner, SeqInput
+from backends.runtime.loader import load_runner
+from backends.runtime.paged import SeqInput
 
 
 @pytest.fixture(scope="module", params=["llama", "deepseek_v3"])
 def runner(request):
-    return ModelRunner.load(rm.checkpoint(request.param))
+    return load_runner(rm.checkpoint(request.param))
 
 
 def _prefill(runner, prompt, groups):

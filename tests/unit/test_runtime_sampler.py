@@ -5,7 +5,7 @@ from __future__ import annotations
 import runtime_models as rm
 import torch
 
-from backends.runtime.runner import ModelRunner
+from backends.runtime.loader import load_runner
 from backends.runtime.sampler import SamplingParams, sample
 
 
@@ -38,8 +38,8 @@ def test_seeded_sampling_reproducible_and_varied():
 
 def test_self_draft_is_first_layers_of_target():
     path = rm.checkpoint("llama")
-    draft = ModelRunner.load(path, num_layers=2)
-    target = ModelRunner.load(path)
+    draft = load_runner(path, num_layers=2)
+    target = load_runner(path)
     assert draft.config.num_layers == 2 and len(draft.model.layers) == 2
     assert torch.equal(draft.model.lm_head, target.model.lm_head)
     pool = draft.make_pool(4, 4, role="draft")

@@ -11,7 +11,7 @@ import sys
 import runtime_models as rm
 
 from backends.runtime.engine import LLMEngine
-from backends.runtime.runner import ModelRunner
+from backends.runtime.loader import load_runner
 from backends.runtime.sampler import SamplingParams
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -31,7 +31,7 @@ def _run(*args: str) -> list[dict]:
 def test_generate_prompt_ids_greedy_matches_engine():
     path = rm.checkpoint("qwen2")
     (res,) = _run("--model", path, "--prompt-ids", "5,6,7,8", "--max-tokens", "6")
-    runner = ModelRunner.load(path)
+    runner = load_runner(path)
     engine = LLMEngine(runner, runner.make_pool(8, 4))
     (seq,) = engine.generate([([5, 6, 7, 8], SamplingParams(max_tokens=6))])
     assert res["prompt_ids"] == [5, 6, 7, 8]
@@ -56,8 +56,7 @@ def test_converted_generation_config_takes_eos_from_the_model_config():
     converted generation_config.json must keep the model config's ids."""
     import types
 
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    from convert_smollm2 import generation_config
+    from scripts.convert_smollm2 import generation_config
 
     tok = types.SimpleNamespace(bos_token_id=1, eos_token_id=1)
     assert generation_config({"bos_token_id": 1, "eos_token_id": 2}, tok) == {

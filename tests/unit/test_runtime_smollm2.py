@@ -9,7 +9,7 @@ import runtime_models as rm
 import torch
 
 from backends.runtime.engine import LLMEngine
-from backends.runtime.runner import ModelRunner
+from backends.runtime.loader import load_runner
 from backends.runtime.sampler import SamplingParams
 from backends.runtime.tokenizer import Tokenizer
 
@@ -30,7 +30,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def runner():
-    return ModelRunner.load(MODEL)
+    return load_runner(MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ from fake_text import ByteTokenizer
 
 from backends.runtime.detok import TextState
 from backends.runtime.engine import LLMEngine
-from backends.runtime.runner import SeqInput
+from backends.runtime.loader import load_runner
+from backends.runtime.paged import SeqInput
 from backends.runtime.sampler import SamplingParams
 from backends.runtime.sequence import FinishReason
 
@@ -241,9 +242,8 @@ def test_endless_incomplete_characters_are_shown_after_a_bounded_wait():
 
 @pytest.mark.slow
 def test_smollm2_engine_stop_string_streamed(real_tok):
-    from backends.runtime.runner import ModelRunner
 
-    runner = ModelRunner.load(MODEL)
+    runner = load_runner(MODEL)
     prompt = real_tok.encode("Write a short story about a cat.", chat=True)
     plain = SamplingParams(max_tokens=24, ignore_eos=True)
     engine = LLMEngine(runner, runner.make_pool(64, 16), max_batch=2, tokenizer=real_tok)

@@ -14,9 +14,11 @@ import runtime_models as rm
 import torch
 
 from backends.runtime.engine import LLMEngine
-from backends.runtime.runner import ModelRunner, SeqInput
+from backends.runtime.loader import load_runner
+from backends.runtime.paged import SeqInput
+from backends.runtime.runner import ModelRunner
 from backends.runtime.sampler import SamplingParams
-from backends.runtime.tp_runner import TPModelRunner
+from backends.runtime.tp.runner import TPModelRunner
 
 KINDS = ["qwen2_kv2", "qwen2", "deepseek_v2", "deepseek_v3"]
 
@@ -28,7 +30,7 @@ def kind(request):
 
 @pytest.fixture(scope="module")
 def tp2(kind):
-    runner = ModelRunner.load(rm.checkpoint(kind), device="cpu", tensor_parallel_size=2)
+    runner = load_runner(rm.checkpoint(kind), device="cpu", tensor_parallel_size=2)
     yield runner
     runner.close()
 
@@ -118,14 +120,14 @@ def test_refuses_a_size_that_does_not_split_the_heads():
     with pytest.raises(
         ValueError, match=r"tensor_parallel_size 3 does not divide num_attention_heads 4"
     ):
-        ModelRunner.load(rm.checkpoint("llama"), device="cpu", tensor_parallel_size=3)
+        load_runner(rm.checkpoint("llama"), device="cpu", tensor_parallel_size=3)
 
 
 def test_four_ranks_replicate_two_kv_heads():
     """Llama, 4 heads and 2 KV heads on 4 ranks: ranks 0, 1 hold KV head 0, ranks 2, 3 head 1."""
     prompt = rm.random_prompt(9, seed=2)
     expected = rm.hf_greedy("llama", prompt, 16)
-    runner = ModelRunner.load(rm.checkpoint("llama"), device="cpu", tensor_parallel_size=4)
+    runner = load_runner(rm.checkpoint("llama"), device="cpu", tensor_parallel_size=4)
     try:
         assert runner.plan.kv_heads == (0, 1) and len(runner.worker_pids) == 3
         starts = [x.head_start for x in runner.shard_layouts(runner.make_pool(2, 4))]
@@ -164,7 +166,7 @@ def test_torch_fallback_ops_per_rank(kind, monkeypatch):
     for name, value in [("ATTENTION", "sdpa"), ("LINEAR", "torch"), ("FUSED", "torch")]:
         monkeypatch.setenv(f"PD_RUNTIME_{name}", value)
     prompt = rm.random_prompt(7, seed=5)
-    runner = ModelRunner.load(rm.checkpoint(kind), device="cpu", tensor_parallel_size=2)
+    runner = load_runner(rm.checkpoint(kind), device="cpu", tensor_parallel_size=2)
     try:
         assert runner.model.kernels.attention == "sdpa"
         engine = LLMEngine(runner, runner.make_pool(16, 4), max_batch=2)
@@ -176,7 +178,7 @@ def test_torch_fallback_ops_per_rank(kind, monkeypatch):
 
 def test_the_sharded_model_refuses_to_run_outside_its_runner(tp2):
     from backends.runtime.spec import self_draft
-    from backends.runtime.tp_comm import TensorParallelError
+    from backends.runtime.tp.comm import TensorParallelError
 
     draft = self_draft(tp2, 2)  # a plain ModelRunner over the shard: workers never hear of it
     pool = draft.make_pool(4, 4)
@@ -188,8 +190,8 @@ def test_the_sharded_model_refuses_to_run_outside_its_runner(tp2):
 
 @pytest.mark.parametrize("kind", ["qwen2", "deepseek_v3"])
 def test_a_rank_reads_only_its_slices_of_the_checkpoint(kind):
-    from backends.runtime.tp_rank import load_config, load_shard
-    from backends.runtime.tp_shard import ShardPlan, shard_tensors
+    from backends.runtime.tp.rank import load_config, load_shard
+    from backends.runtime.tp.shard import ShardPlan, shard_tensors
     from backends.runtime.weights import load_weights
 
     path = rm.checkpoint(kind)
@@ -203,7 +205,7 @@ def test_a_rank_reads_only_its_slices_of_the_checkpoint(kind):
 
 
 def test_an_error_answer_is_raised_and_leaves_the_ranks_in_step(tp2):
-    from backends.runtime.tp_comm import TensorParallelError
+    from backends.runtime.tp.comm import TensorParallelError
 
     pool = tp2.make_pool(4, 4)
     tp2._pool_ids[pool] = 999  # a pool id the worker never made

@@ -13,9 +13,9 @@ import time
 import pytest
 import runtime_models as rm
 
-from backends.runtime.runner import SeqInput
-from backends.runtime.tp_comm import TensorParallelError
-from backends.runtime.tp_runner import TPModelRunner
+from backends.runtime.paged import SeqInput
+from backends.runtime.tp.comm import TensorParallelError
+from backends.runtime.tp.runner import TPModelRunner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -87,7 +87,7 @@ def test_hung_worker_makes_the_forward_raise_after_the_collective_deadline():
 
 RANK0 = """
 import sys, time
-from backends.runtime.tp_runner import TPModelRunner
+from backends.runtime.tp.runner import TPModelRunner
 r = TPModelRunner.start(sys.argv[1], size=2)
 print(r.worker_pids[0], flush=True)
 time.sleep(120)

@@ -9,10 +9,11 @@ import pytest
 import runtime_models as rm
 
 from backends.runtime.engine import LLMEngine
+from backends.runtime.loader import load_runner
 from backends.runtime.runner import ModelRunner
 from backends.runtime.sampler import SamplingParams
 from backends.runtime.tokenizer import Tokenizer
-from backends.runtime.tp_shard import TensorParallelConfigError
+from backends.runtime.tp.shard import TensorParallelConfigError
 
 MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "models", "smollm2-135m-instruct")
 
@@ -29,10 +30,10 @@ def generate(runner: ModelRunner, prompt: list[int], n: int) -> tuple[list[int],
 
 def test_three_ranks_equal_one_rank():
     prompt = Tokenizer(MODEL).encode("What is the capital of France?", chat=True)
-    one = ModelRunner.load(MODEL, device="cpu")
+    one = load_runner(MODEL, device="cpu")
     want, want_logits = generate(one, prompt, 16)
     del one
-    three = ModelRunner.load(MODEL, device="cpu", tensor_parallel_size=3)
+    three = load_runner(MODEL, device="cpu", tensor_parallel_size=3)
     try:
         assert three.plan.kv_heads == (0, 1) and len(three.worker_pids) == 2
         got, got_logits = generate(three, prompt, 16)
@@ -44,7 +45,7 @@ def test_three_ranks_equal_one_rank():
 
 def test_two_ranks_are_refused_naming_the_heads():
     with pytest.raises(TensorParallelConfigError) as e:
-        ModelRunner.load(MODEL, tensor_parallel_size=2)
+        load_runner(MODEL, tensor_parallel_size=2)
     msg = str(e.value)
     assert "tensor_parallel_size 2 does not divide num_attention_heads 9" in msg
     assert "sizes that work: [1, 3, 9]" in msg

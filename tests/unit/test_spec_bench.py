@@ -1,4 +1,4 @@
-"""scripts/bench/bench_spec.py end to end (subprocess, --json) on a tiny checkpoint."""
+"""benchmarks.spec end to end (subprocess, --json) on a tiny checkpoint."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ def test_bench_spec_json():
     args = "--random-prompts 6 --batches 1 3 --draft-layers 1 4 --spec-tokens 2 --max-tokens 8"
     args += " --ignore-eos"  # every sequence 8 tokens
     out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "bench", "bench_spec.py"), "--model"]
-        + [rm.checkpoint("llama")]
+        [sys.executable, "-m", "benchmarks.spec", "--model", rm.checkpoint("llama")]
         + args.split()
         + ["--runs", "1", "--page-size", "4", "--json"],
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
+        cwd=ROOT,
     )
     res = json.loads(out.stdout)
     rows = {(r["config"], r["batch"]): r for r in res["results"]}
@@ -48,9 +48,9 @@ def test_bench_spec_eagle_head_with_pd_json():
     args = f"--random-prompts 6 --batches 1 2 --draft {head} --spec-tokens 2 --max-tokens 8 --pd"
     args += " --ignore-eos"
     out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "bench", "bench_spec.py"), "--model",
-         rm.checkpoint("llama"), *args.split(), "--runs", "1", "--page-size", "4", "--json"],
-        capture_output=True, text=True, timeout=180,
+        [sys.executable, "-m", "benchmarks.spec", "--model", rm.checkpoint("llama"),
+         *args.split(), "--runs", "1", "--page-size", "4", "--json"],
+        capture_output=True, text=True, timeout=180, cwd=ROOT,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)

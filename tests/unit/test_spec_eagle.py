@@ -15,7 +15,8 @@ import torch
 from eagle_heads import random_head, trained_head
 
 from backends.runtime.eagle import EagleHead
-from backends.runtime.runner import SeqInput
+from backends.runtime.loader import load_runner
+from backends.runtime.paged import SeqInput
 from backends.runtime.sequence import FinishReason
 from backends.runtime.spec import DraftSpec, load_draft
 from backends.runtime.spec_eagle import EagleSpecEngine, spec_engine
@@ -123,12 +124,9 @@ def test_head_identity_and_bad_heads(llama, tmp_path):
 
 
 def _train_eagle():
-    import importlib
-    import os
-    import sys
+    from scripts import train_eagle
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-    return importlib.import_module("train_eagle")
+    return train_eagle
 
 
 def _module_and_head(llama, path):
@@ -136,13 +134,12 @@ def _module_and_head(llama, path):
     matters, and the same weights loaded as the runtime serves them (on ``llama``'s device; the
     module trains on CPU)."""
     from backends.runtime.eagle import head_checkpoint_config, save_head
-    from backends.runtime.runner import ModelRunner
 
     te = _train_eagle()
     args = te.parse_args(["--heads", "4", "--kv-heads", "2", "--head-dim", "16",
                           "--intermediate", "96"])  # fmt: skip
     vocab_ids = torch.arange(3, 131)
-    cpu = ModelRunner.load(rm.checkpoint("llama"), device="cpu")
+    cpu = load_runner(rm.checkpoint("llama"), device="cpu")
     module = te.HeadModule(cpu, args, vocab_ids)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -270,8 +267,7 @@ def test_sampling_with_a_head_follows_the_target_distribution(llama):
 def test_train_data_cache_round_trip_and_key(tmp_path):
     """train_eagle.py --data-cache: what was saved comes back bit for bit under the same key,
     and a different key (another target, prompt count, ...) reads as absent."""
-    _train_eagle()
-    import eagle_data
+    from benchmarks import eagle_data
 
     items = [(torch.tensor(t), torch.randn(len(t), 3), p)
              for t, p in (([5, 6, 7, 8], 3), ([9, 2], 1))]  # fmt: skip
@@ -288,8 +284,7 @@ def test_held_out_prompts_share_no_topic_or_code_task_with_training():
     """eagle_data's split: no held-out prompt (bench or training's evaluation) appears in or
     mentions a topic or code task of the training prompts, and the training prompts are
     distinct (a repeated prompt is a repeated greedy response: no new data)."""
-    _train_eagle()
-    import eagle_data as d
+    from benchmarks import eagle_data as d
 
     train = [json.dumps(c) for c in d.prompts(2560, 0, False)]
     held = [json.dumps(c) for s in (0, 1) for c in d.prompts(48, s, True)]

@@ -14,7 +14,7 @@ from fake_text import ByteTokenizer
 from test_spec_sampling import CHI2_999, _chi2, _tv
 
 from backends.runtime.engine import LLMEngine
-from backends.runtime.runner import SeqInput
+from backends.runtime.paged import SeqInput
 from backends.runtime.sampler import SamplingParams, penalize
 from backends.runtime.spec import DraftSpec, SpecEngine, probs, self_draft
 

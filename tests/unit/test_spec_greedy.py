@@ -10,7 +10,8 @@ import runtime_models as rm
 import spec_models as sm
 import torch
 
-from backends.runtime.runner import ModelRunner, SeqInput
+from backends.runtime.loader import load_runner
+from backends.runtime.paged import SeqInput
 from backends.runtime.sequence import FinishReason
 from backends.runtime.spec import DraftSpec, SpecEngine, load_draft, self_draft
 
@@ -64,7 +65,7 @@ def test_steps_above_max_batch_draft_nothing_then_drafting_resumes(llama):
 
 
 def test_mla_target_with_gqa_draft(mla):
-    draft = ModelRunner.load(rm.checkpoint("llama"))  # same 256-token vocabulary
+    draft = load_runner(rm.checkpoint("llama"))  # same 256-token vocabulary
     engine = sm.spec_engine(mla, draft, k=2, draft_page_size=8)
     assert engine.pool.layout.attn == "mla" and engine.draft.pool.layout.attn == "gqa"
     _run_batch(engine, mla)
@@ -169,7 +170,7 @@ def test_self_draft_equals_transformers_early_exit(llama):
     draft = self_draft(llama, 2)
     got = draft.prefill(draft.make_pool(8, 4, "draft"), prompt, [0, 1, 2, 3])
     rm.assert_close_to_reference(got, ref)
-    loaded = ModelRunner.load(rm.checkpoint("llama"), num_layers=2)
+    loaded = load_runner(rm.checkpoint("llama"), num_layers=2)
     torch.testing.assert_close(loaded.prefill(loaded.make_pool(8, 4), prompt, [0, 1, 2, 3]), got)
 
 

@@ -6,7 +6,7 @@ import runtime_models as rm
 import spec_models as sm
 import torch
 
-from backends.runtime.runner import SeqInput
+from backends.runtime.paged import SeqInput
 from backends.runtime.sampler import SamplingParams
 from backends.runtime.spec import accept_sampled, probs
 

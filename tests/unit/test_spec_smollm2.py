@@ -12,7 +12,7 @@ import os
 import pytest
 
 from backends.runtime.engine import LLMEngine
-from backends.runtime.runner import ModelRunner
+from backends.runtime.loader import load_runner
 from backends.runtime.sampler import SamplingParams
 from backends.runtime.spec import DraftSpec, SpecEngine, self_draft
 from backends.runtime.tokenizer import Tokenizer
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow  # needs the default model (scripts/setup.sh conve
 
 def test_self_draft_greedy_equals_target_only():
     tok = Tokenizer(MODEL)
-    target = ModelRunner.load(MODEL)
+    target = load_runner(MODEL)
     reqs = [(tok.encode(t, chat=c), SamplingParams(max_tokens=32)) for t, c in PROMPTS]
     expected = [s.output_ids for s in LLMEngine(target, target.make_pool(32, 16)).generate(reqs)]
     assert "Paris" in tok.decode(expected[0])
@@ -60,7 +60,7 @@ def test_acceptance_matches_transformers_early_exit():
 
     layers, k, n = 26, 3, 32
     tok = Tokenizer(MODEL)
-    target = ModelRunner.load(MODEL)
+    target = load_runner(MODEL)
     hf = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
     draft = self_draft(target, layers)
     engine = SpecEngine(

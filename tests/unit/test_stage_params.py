@@ -75,12 +75,15 @@ def test_a_parameter_the_stage_does_not_use_fails_the_load():
 
 def test_defaults_have_one_home():
     """Transfer and layer-group defaults are the kvtransfer classes' own."""
+    from backends.stages.fingerprint import deployment_identity
     from backends.stages.policy import LayerGroupPolicy
     from kvtransfer import TransferConfig
 
     p, tc, lg = StageParams(), TransferConfig(), LayerGroupPolicy()
-    assert p.transfer_config(identity=False) == tc
-    assert p.transfer_config().identity.model_name == "smollm2-135m-instruct"
+    assert p.transfer_config() == tc
+    assert p.transfer_config(identity=deployment_identity(p)).identity.model_name == (
+        "smollm2-135m-instruct"
+    )
     assert p.policy() == lg
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import runtime_models as rm
 
-from backends.runtime.runner import ModelRunner
+from backends.runtime.loader import load_runner
 from backends.stages.draft import explain_failure, load_stage_draft, make_draft_pool
 from backends.stages.params import StageParams, parse_params
 
@@ -85,9 +85,9 @@ def test_self_draft_prompt_kv_is_the_targets_first_layers(kind):
 
     from backends.stages.draft import copy_prefix_kv, shares_target_layers
 
-    target = ModelRunner.load(rm.checkpoint(kind))
+    target = load_runner(rm.checkpoint(kind))
     draft = load_stage_draft(StageParams(spec_enabled=True, draft_layers=2), target)
-    other = ModelRunner.load(rm.checkpoint("llama"), num_layers=2)
+    other = load_runner(rm.checkpoint("llama"), num_layers=2)
     assert shares_target_layers(draft, target) and not shares_target_layers(other, target)
     prompt = rm.random_prompt(13, seed=2)
     pool, dpool, ref = (

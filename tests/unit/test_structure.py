@@ -20,19 +20,27 @@ def module_name(path: Path) -> str:
     return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Absolute module names a file imports, lazy imports included (relative imports resolved
-    against its package; ``from pkg import name`` also yields ``pkg.name``)."""
+def imports(path: Path):
+    """(module, names taken from it) for every import in a file, lazy ones included; relative
+    imports resolved against its package (``names`` is empty for ``import module``)."""
     pkg = path.relative_to(ROOT).with_suffix("").parts[:-1]  # a.b for a/b/c.py and a/b/__init__
-    out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
+            yield from ((a.name, []) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = list(pkg[: len(pkg) - node.level + 1]) if node.level else []
-            mod = ".".join([*base, node.module] if node.module else base)
-            out.add(mod)
-            out.update(f"{mod}.{a.name}" for a in node.names)
+            yield (
+                ".".join([*base, node.module] if node.module else base),
+                [a.name for a in node.names],
+            )
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Absolute module names a file imports; ``from pkg import name`` also yields ``pkg.name``."""
+    out: set[str] = set()
+    for mod, names in imports(path):
+        out.add(mod)
+        out.update(f"{mod}.{n}" for n in names)
     return out
 
 
@@ -42,16 +50,10 @@ def import_graph(*dirs: str) -> dict[str, set[str]]:
     files = {module_name(p): p for p in py_files(*dirs)}
     graph = {}
     for mod, path in files.items():
-        pkg = path.relative_to(ROOT).with_suffix("").parts[:-1]
         targets = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                targets.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = list(pkg[: len(pkg) - node.level + 1]) if node.level else []
-                name = ".".join([*base, node.module] if node.module else base)
-                subs = [f"{name}.{a.name}" for a in node.names if f"{name}.{a.name}" in files]
-                targets.update(subs if len(subs) == len(node.names) else [name, *subs])
+        for name, names in imports(path):
+            subs = [f"{name}.{n}" for n in names if f"{name}.{n}" in files]
+            targets.update(subs if names and len(subs) == len(names) else [name, *subs])
         graph[mod] = {t for t in targets if t in files and t != mod}
     return graph
 

@@ -12,7 +12,7 @@ import zmq
 from backends.stages.trace import TraceWriter
 from backends.stages.triton_glue import StageMetrics
 from kvtransfer.config import TransferConfig
-from kvtransfer.control import ControlLoop
+from kvtransfer.control.loop import ControlLoop
 
 
 class Flaky(ControlLoop):

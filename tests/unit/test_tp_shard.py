@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from backends.runtime.config import ModelConfig
-from backends.runtime.tp_shard import ShardPlan, TensorParallelConfigError, shard_tensors
-from backends.runtime.tp_wire import FORWARD, MAKE_POOL, PREFILL, Command, decode, encode
+from backends.runtime.tp.shard import ShardPlan, TensorParallelConfigError, shard_tensors
+from backends.runtime.tp.wire import FORWARD, MAKE_POOL, PREFILL, Command, decode, encode
 
 
 def gqa(heads: int, kv: int, vocab: int = 10) -> ModelConfig:
@@ -103,7 +103,7 @@ def test_fused_expert_tensors_split_each_expert_intermediate():
 
 @pytest.mark.parametrize("size", [0, -1, 2.0])
 def test_sizes_that_are_not_positive_integers_are_refused(size):
-    from backends.runtime.tp_runner import tp_devices
+    from backends.runtime.tp.runner import tp_devices
 
     with pytest.raises(TensorParallelConfigError, match=f"got {size!r}"):
         tp_devices("cpu", size)

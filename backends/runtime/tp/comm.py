@@ -4,7 +4,7 @@ The group is a private ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` object over i
 not torch's default group, so a serving process can hold several (a target and a draft runner)
 and never touches global ``torch.distributed`` state. Gloo raises when a collective waits past
 ``timeout_s`` or when a peer's socket closes (a rank that died); the caller turns that into a
-:class:`TensorParallelError` naming the rank (see :mod:`backends.runtime.tp_runner`).
+:class:`TensorParallelError` naming the rank (see :mod:`backends.runtime.tp.runner`).
 """
 
 from __future__ import annotations

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from .config import ModelConfig
-from .model import CausalLM
-from .tp_comm import TPGroup
-from .tp_shard import ShardPlan
-from .weights import WeightReader
+from ..config import ModelConfig
+from ..model import CausalLM
+from ..weights import WeightReader
+from .comm import TPGroup
+from .shard import ShardPlan
 
 
 class RowParallel:

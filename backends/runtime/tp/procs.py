@@ -14,9 +14,9 @@ import os
 import sys
 from multiprocessing.connection import Connection, wait
 
-from .tp_comm import TensorParallelError
-from .tp_wire import STOP, Command, encode
-from .tp_worker import ERROR, WorkerSpec, worker_main
+from .comm import TensorParallelError
+from .wire import STOP, Command, encode
+from .worker import ERROR, WorkerSpec, worker_main
 
 
 class WorkerHandle:
@@ -98,7 +98,7 @@ def spawn_worker(spec: WorkerSpec) -> WorkerHandle:
     ctx = mp.get_context("spawn")
     ctx.set_executable(python_exe())
     conn, child = ctx.Pipe()
-    kv_conn, kv_child = ctx.Pipe()  # the rank's KV agent (kvtransfer.rank_agent), on demand
+    kv_conn, kv_child = ctx.Pipe()  # the rank's KV agent (kvtransfer.tp.agent), on demand
     proc = ctx.Process(
         target=worker_main,
         args=(spec, child, kv_child),

@@ -20,13 +20,13 @@ from safetensors import safe_open
 
 from kvtransfer import EntryLayout
 
-from .config import ModelConfig
-from .dtypes import model_dtype
-from .runner import ModelRunner
-from .tp_comm import TPGroup
-from .tp_model import TPCausalLM
-from .tp_shard import ALL, EMBED, LM_HEAD, ShardPlan, slice_spec, take, vocab_shard
-from .weights import WeightReader, beyond_layers, weight_files
+from ..config import ModelConfig
+from ..dtypes import model_dtype
+from ..runner import ModelRunner
+from ..weights import WeightReader, beyond_layers, weight_files
+from .comm import TPGroup
+from .model import TPCausalLM
+from .shard import ALL, EMBED, LM_HEAD, ShardPlan, slice_spec, take, vocab_shard
 
 
 def load_config(path: str, num_layers: int | None) -> ModelConfig:

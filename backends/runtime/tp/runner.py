@@ -3,7 +3,7 @@
 ``TPModelRunner`` has ModelRunner's interface (``make_pool``, ``forward``, ``prefill``,
 ``decode``), so :class:`~backends.runtime.engine.LLMEngine` drives it unchanged. Rank 0 keeps the
 one page allocator (its pools' free lists; the workers' pools are never allocated from), checks
-each forward's inputs, sends them to every worker (:mod:`backends.runtime.tp_wire`) and runs its
+each forward's inputs, sends them to every worker (:mod:`backends.runtime.tp.wire`) and runs its
 own shard of the same forward; the forward's collectives keep the ranks in step.
 
 Failure rules:
@@ -33,14 +33,14 @@ import torch
 
 from kvtransfer import EntryLayout
 
-from .cpu_kernels import cpu_ops
-from .kv_pool import KVPool
-from .runner import SeqInput
-from .tp_comm import TensorParallelError, TPGroup, make_store
-from .tp_procs import WorkerHandle, spawn_worker, stop_workers
-from .tp_rank import ShardRunner, load_config, load_shard
-from .tp_shard import ShardPlan, TensorParallelConfigError
-from .tp_wire import (
+from ..cpu_kernels import cpu_ops
+from ..kv_pool import KVPool
+from ..paged import SeqInput
+from .comm import TensorParallelError, TPGroup, make_store
+from .procs import WorkerHandle, spawn_worker, stop_workers
+from .rank import ShardRunner, load_config, load_shard
+from .shard import ShardPlan, TensorParallelConfigError
+from .wire import (
     DROP_POOL,
     FORWARD,
     LAYOUT,
@@ -50,7 +50,7 @@ from .tp_wire import (
     decode_layout,
     encode,
 )
-from .tp_worker import ERROR, GO, OK, READY, WorkerSpec
+from .worker import ERROR, GO, OK, READY, WorkerSpec
 
 
 def tp_devices(device: str | list[str], size: int) -> list[str]:
@@ -262,7 +262,7 @@ class TPModelRunner(ShardRunner):
             return [pool.layout] + [replace(pool.layout, **decode_layout(a)) for a in answers]
 
     def kv_agents(self, pools: dict[str, KVPool], config, slots: int, slot_bytes: int) -> list:
-        """Start ranks 1..N-1's KV agents (:mod:`kvtransfer.rank_agent`) over their shards of
+        """Start ranks 1..N-1's KV agents (:mod:`kvtransfer.tp.agent`) over their shards of
         ``pools`` (role -> a pool made here): each its own Mooncake engine (``config``, a
         ``TransferConfig``) and ``slots`` staging slots. Their clients, in rank order."""
         from kvtransfer import AgentClient

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 
 class TensorParallelConfigError(ValueError):

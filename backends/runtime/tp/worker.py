@@ -1,11 +1,11 @@
 """A tensor-parallel worker: ranks 1..N-1 of a runner, each a process that rank 0 spawned.
 
-Life of a worker (rank 0's side is :mod:`backends.runtime.tp_runner`):
+Life of a worker (rank 0's side is :mod:`backends.runtime.tp.runner`):
 
 1. load its weight shard, then say ``ready`` on its pipe;
 2. on ``go``, join the process group (every rank joins at once, so the rendezvous is quick
    however long loading took), build the model, say ``ok`` (or ``error: ...`` and exit 1);
-3. run rank 0's commands (:mod:`backends.runtime.tp_wire`) until ``STOP`` or until the pipe
+3. run rank 0's commands (:mod:`backends.runtime.tp.wire`) until ``STOP`` or until the pipe
    closes. A failed forward ends the process (exit 1): the ranks are out of step after it and
    rank 0 reports this rank as dead.
 
@@ -58,13 +58,13 @@ def _die_with_parent() -> None:
 
 def worker_main(spec: WorkerSpec, conn: Connection, kv_conn: Connection | None = None) -> None:
     """Entry point of a worker process (multiprocessing spawn target). ``kv_conn``: the pipe
-    of this rank's KV agent (:mod:`kvtransfer.rank_agent`), started when rank 0 asks."""
+    of this rank's KV agent (:mod:`kvtransfer.tp.agent`), started when rank 0 asks."""
     _die_with_parent()
     import torch
 
-    from .tp_comm import TPGroup, join_store
-    from .tp_rank import ShardRunner, load_config, load_shard
-    from .tp_shard import ShardPlan
+    from .comm import TPGroup, join_store
+    from .rank import ShardRunner, load_config, load_shard
+    from .shard import ShardPlan
 
     torch.set_num_threads(spec.threads)
     try:
@@ -91,8 +91,9 @@ def worker_main(spec: WorkerSpec, conn: Connection, kv_conn: Connection | None =
         sys.exit(1)
     pools: dict = {}
     if kv_conn is not None:
-        threading.Thread(target=_kv_agent, args=(kv_conn, pools), name="kv-agent",
-                         daemon=True).start()  # fmt: skip
+        threading.Thread(
+            target=_kv_agent, args=(kv_conn, pools), name="kv-agent", daemon=True
+        ).start()
     try:
         serve(runner, conn, pools)
     finally:
@@ -115,8 +116,8 @@ def _kv_agent(kv_conn: Connection, pools: dict) -> None:
 
 def serve(runner, conn: Connection, pools: dict) -> None:
     """Run rank 0's commands until STOP or EOF; a failed forward ends the process (exit 1)."""
-    from .runner import SeqInput
-    from .tp_wire import DROP_POOL, FORWARD, LAYOUT, MAKE_POOL, PREFILL, STOP, decode, encode_layout
+    from ..paged import SeqInput
+    from .wire import DROP_POOL, FORWARD, LAYOUT, MAKE_POOL, PREFILL, STOP, decode, encode_layout
 
     while True:
         try:

@@ -1,6 +1,6 @@
-"""The decode worker's request control: final events, client cancels in every phase, heartbeats,
-and queue expiry. A mixin of :class:`~.decode.DecodeWorker` (same thread rules: the methods
-here run on the worker's loop thread).
+"""Ending a decode request before it finishes: client cancels in every phase, and queue expiry.
+Loop thread, except :meth:`RequestControl.cancel` (any thread: the cancel channel, the serving
+layer).
 
 Cancel, by phase (each ends the request with one final event at once):
 
@@ -8,6 +8,9 @@ Cancel, by phase (each ends the request with one final event at once):
 * transferring: decode aborts the room; its pages stay quarantined until prefill confirms its
   writes drained (or is proven gone), then are freed;
 * running: the engine aborts the sequence and frees its pages (within one step).
+
+A request that waited past ``queue_timeout_s`` for pages ends ``overloaded`` (nothing was computed
+for it: prefill computes a room only once decode registered its pages).
 """
 
 from __future__ import annotations
@@ -15,144 +18,98 @@ from __future__ import annotations
 import logging
 import time
 
-from . import errors
-from .decode_state import ActiveRequest, DecodeEvent, Phase, always
+from kvtransfer import KVReceiver
+
+from ...runtime.engine import LLMEngine
+from .. import errors
+from ..request import StageRequest
+from .events import Responder
+from .state import ActiveRequest, Phase, Requests, always
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 0.25  # a request with nothing to send gets an empty event this often
-CANCEL_POLL_S = 0.05
+CANCEL_POLL_S = 0.05  # how often the loop asks every request's is_cancelled() with no cancel named
 
 
-class DecodeControl:
-    def _all(self) -> list[ActiveRequest]:
-        with self._cond:
-            return [*self._waiting, *self._transfers.values(), *self._running.values()]
+class RequestControl:
+    """Owns the cancels named but not yet applied. ``requests``: the worker's table; ``out``: its
+    events; ``receiver`` aborts and refuses rooms at prefill; ``engine`` aborts running sequences;
+    ``counters``: the worker's (``overloaded``)."""
 
-    def _send(self, r: ActiveRequest, ev: DecodeEvent) -> bool:
-        r.last_event = time.monotonic()
-        try:
-            r.emit(ev)
-            return True
-        except Exception as e:  # the client is gone: stop generating for it
-            log.info("%s: room %d: emit failed (%s); aborting", self.name, r.req.room, e)
-            if r.phase != Phase.DONE:
-                r.cancelled = True
-                self._cancel_one(r)
-            return False
+    def __init__(
+        self,
+        requests: Requests,
+        out: Responder,
+        receiver: KVReceiver,
+        engine: LLMEngine,
+        counters: dict,
+        queue_timeout_s: float,
+        name: str,
+    ):
+        self.requests, self.out, self.receiver, self.engine = requests, out, receiver, engine
+        self.counters, self.queue_timeout_s, self.name = counters, queue_timeout_s, name
+        self._rooms: set[int] = set()  # rooms named by a cancel (under requests.cond)
+        self._last_poll = 0.0
 
-    def _finish(self, r, error=None, reason=None, tokens=(), logprobs=(), kind=errors.INTERNAL):
-        """The request's one final event (no-op when it already ended)."""
-        if r.phase == Phase.DONE:
-            return
-        r.phase = Phase.DONE
-        r.t["finished"] = time.time()
-        self.latency.request_done(r.t)
-        if error:
-            self.counters["failed"] += 1
-            ev = DecodeEvent(final=True, error=error, error_kind=kind)
-        elif r.cancelled:
-            self.counters["cancelled"] += 1
-            ev = DecodeEvent(final=True, finish_reason="cancelled")
-        elif r.req.stream:
-            ev = self._event(r, tokens, logprobs, final=True, finish_reason=reason)
-        else:
-            ev = self._event(r, r.out_ids, r.out_logprobs, final=True, finish_reason=reason)
-        self._send(r, ev)
-        self.trace.write({"stage": "decode", "room": r.req.room, "error": error,
-                          "cancelled": r.cancelled, **r.t, "tokens": len(r.out_ids)})  # fmt: skip
+    def cancel(self, room: int) -> None:
+        """Stop the request of ``room`` (its current room or the one the client knows)."""
+        with self.requests.cond:
+            self._rooms.add(room)
+            self.requests.cond.notify_all()
 
-    def _event(self, r: ActiveRequest, tokens, logprobs, final=False, **kw) -> DecodeEvent:
-        """An event with ``tokens`` and the text they add (the prompt's first, with echo)."""
-        text = r.text.take(final) if r.text is not None else ""
-        if r.req.echo and not r.echoed:
-            r.echoed = True
-            text = (self.tok.decode(r.req.prompt_ids) if self.tok else "") + text
-        return DecodeEvent(list(tokens), text, list(logprobs), final=final, **kw)
+    @property
+    def pending(self) -> bool:
+        """Holds ``requests.cond``: a cancel was named since the last :meth:`poll`."""
+        return bool(self._rooms)
 
-    def _streams_early(self, r: ActiveRequest, token: int) -> bool:
-        """Whether prefill's first token may go out before the KV landed: only when it cannot
-        be the last one (a stream never ends with an empty extra event) and carries no
-        logprobs (they come with the KV)."""
-        sp = r.req.sampling
-        if not r.req.stream or sp.max_tokens < 2 or sp.logprobs is not None:
-            return False
-        if token in sp.stop_token_ids or (token in self.eos_ids and not sp.ignore_eos):
-            return False
-        return r.text is None or not r.text.update([token])  # a stop string ends it here
-
-    def _on_first(self, room: int, token: int) -> None:  # control thread
-        with self._cond:
-            self._firsts.append((room, token))
-            self._cond.notify_all()
-
-    def _take_first(self) -> None:
-        """Prefill's first token, before the room's KV landed: a streaming request gets it at
-        once (non-streaming requests are unchanged; the engine reports it again later)."""
-        while True:
-            with self._cond:
-                if not self._firsts:
-                    return
-                room, token = self._firsts.popleft()
-                r = self._transfers.get(room)
-            if r is None or r.phase != Phase.TRANSFER or r.out_ids:
-                continue
-            if not self._streams_early(r, token):
-                continue
-            now = time.time()
-            r.early_first, r.out_ids = token, [token]
-            r.t["first_token"] = r.t["first_token_streamed"] = r.t["last_token"] = now
-            self.counters["tokens"] += 1
-            self.counters["ttft_sum"] += now - r.t["submitted"]
-            self.counters["ttft_count"] += 1
-            self._send(r, self._event(r, [token], []))
-
-    def _poll_cancelled(self) -> None:
+    def poll(self) -> None:
+        """Apply the cancels named since the last poll, and (every CANCEL_POLL_S) each request's
+        own ``is_cancelled()``."""
         now = time.monotonic()
-        with self._cond:
-            rooms, self._cancel_rooms = self._cancel_rooms, set()
+        with self.requests.cond:
+            rooms, self._rooms = self._rooms, set()
         if not rooms and now - self._last_poll < CANCEL_POLL_S:
             return
         self._last_poll = now
-        for r in self._all():
+        for r in self.requests.all():
             if r.req.room in rooms or r.client_room in rooms:
                 r.is_cancelled = always
             if r.phase != Phase.DONE and r.cancel_requested():
                 r.cancelled = True
-                self._cancel_one(r)
+                self.cancel_one(r)
 
-    def _cancel_one(self, r: ActiveRequest) -> None:
+    def cancel_one(self, r: ActiveRequest) -> None:
         if r.phase == Phase.WAITING:
-            with self._cond:
-                if r in self._waiting:
-                    self._waiting.remove(r)
-            self._refuse(r.req, "client cancelled")
+            with self.requests.cond:
+                if r in self.requests.waiting:
+                    self.requests.waiting.remove(r)
+            self.refuse(r.req, "client cancelled")
         elif r.phase == Phase.TRANSFER:  # pages stay with the room until it is released
             self.receiver.abort(r.req.room, "client cancelled")
-        elif r.phase == Phase.RUNNING and r.seq_id in self._running:
+        elif r.phase == Phase.RUNNING and r.seq_id in self.requests.running:
             self.engine.abort(r.seq_id)
-            del self._running[r.seq_id]
-        self._finish(r)
+            del self.requests.running[r.seq_id]
+        self.out.finish(r)
 
-    def _expire_waiting(self) -> None:
-        """A request that waited past queue_timeout_s for pages ends 'overloaded' (nothing was
-        computed for it: prefill computes a room only once decode registered its pages)."""
-        limit = self.params.queue_timeout_s
+    def refuse(self, req: StageRequest, reason: str) -> None:
+        """Tell prefill at once that this room will never be registered, so it drops the
+        request now instead of after its queue timeout (best effort)."""
+        if req.bootstrap_addr:
+            try:
+                self.receiver.refuse(req.room, [req.bootstrap_addr], reason)
+            except Exception:
+                log.debug("%s: room %d: refusing at prefill failed", self.name, req.room)
+
+    def expire_waiting(self) -> None:
+        """End every request that waited past queue_timeout_s for pages ``overloaded``."""
+        limit = self.queue_timeout_s
         now = time.monotonic()
-        with self._cond:
-            old = [r for r in self._waiting if now - r.queued_at > limit]
+        with self.requests.cond:
+            old = [r for r in self.requests.waiting if now - r.queued_at > limit]
             for r in old:
-                self._waiting.remove(r)
+                self.requests.waiting.remove(r)
         for r in old:
             self.counters["overloaded"] += 1
             msg = f"overloaded, retry later: waited {limit:g}s for KV pages"
-            self._refuse(r.req, msg)
-            self._finish(r, error=msg, kind=errors.OVERLOADED)
-
-    def _heartbeats(self) -> None:
-        """An empty event for every request that sent nothing for HEARTBEAT_S (see module doc
-        of the Triton decode model: each one lets the ensemble notice a client cancel)."""
-        now = time.monotonic()
-        for r in self._all():
-            if r.phase != Phase.DONE and now - r.last_event >= HEARTBEAT_S:
-                self._send(r, DecodeEvent(heartbeat=True))
+            self.refuse(r.req, msg)
+            self.out.finish(r, error=msg, kind=errors.OVERLOADED)

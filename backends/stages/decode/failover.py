@@ -1,13 +1,6 @@
-"""A decode server's side of routing (a mixin of :class:`~.decode.DecodeWorker`): local
-prefill and failover.
-
-Local prefill (conditional disaggregation): a request the router marked ``LOCAL`` (short
-prompt, or every prefill server busy) goes straight into this worker's engine, which prefills
-it in its own pool: no pages registered, no KV transfer (:meth:`_take_local`).
-
-Failover (``prefill_servers`` set): when a room fails before its KV completed (the prefill
-server died, hung or refused), the request is re-dispatched to another prefill server under a
-fresh room, and the client never sees the failure.
+"""A decode server's failover (``prefill_servers`` set): when a room fails before its KV completed
+(the prefill server died, hung or refused), the request is re-dispatched to another prefill server
+under a fresh room, and the client never sees the failure.
 
 * The failed room keeps its pages: the receiver holds them in quarantine until the old prefill
   confirms its writes drained or is proven gone (write fence unchanged), then the decode loop
@@ -19,53 +12,61 @@ fresh room, and the client never sees the failure.
   ends with an error naming every cause.
 
 Re-dispatch waits for a prefill server's answer (at most ``route_timeout_s`` per server tried),
-so it runs on a small thread pool, never on the decode loop thread; its result is taken by the
-loop (:meth:`_take_rerouted`).
+so it runs on a small thread pool, never on the decode loop thread; its result goes to
+``on_rerouted``, which hands it to the loop.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import msgspec
 
-from .decode_state import ActiveRequest, Phase
-from .params import StageParams
-from .request import new_room
-from .router import LOCAL, PrefillRouter
+from ..request import new_room
+from ..router import PrefillRouter
+from .state import ActiveRequest, Phase
 
-__all__ = ["LOCAL", "DecodeFailover"]
+__all__ = ["Failover"]
 
 log = logging.getLogger(__name__)
 
 NOT_RETRIED = ("aborted by decode",)  # decode gave the room up itself (client cancel, shutdown)
 
+# (the request under its fresh room, None) once a prefill server took it, else (it, the error)
+OnRerouted = Callable[[ActiveRequest, str | None], None]
 
-class DecodeFailover:
-    def _init_failover(self, params: StageParams) -> None:
-        self.router: PrefillRouter | None = None
-        self.counters.setdefault("local_prefills", 0)
-        if params.prefill_servers:
-            self.router = PrefillRouter(
-                params.servers(), params.route_timeout_s, params.probe_interval_s,
-                name=f"{self.name}-failover", fingerprint=self.receiver.fingerprint,
-            )  # fmt: skip
-        self._rerouted: deque[tuple[ActiveRequest, str | None]] = deque()
-        self._local: deque[ActiveRequest] = deque()  # to prefill in this engine
-        self._reroute_lock = threading.Lock()
-        self._reroute_pool = ThreadPoolExecutor(4, thread_name_prefix=f"{self.name}-reroute")
-        self.counters.setdefault("failovers", 0)
 
-    def _retry(self, r: ActiveRequest, reason: str) -> bool:
+class Failover:
+    """Owns the re-dispatches of one decode worker and their count (``counters``).
+
+    ``router`` picks the prefill server (None: failover off, nothing is retried); ``attempts``:
+    re-dispatches per request at most; ``stopping()``: the worker is closing (nothing retried);
+    ``executor`` runs the re-dispatches (default: 4 threads of their own).
+    """
+
+    def __init__(
+        self,
+        router: PrefillRouter | None,
+        attempts: int,
+        on_rerouted: OnRerouted,
+        stopping: Callable[[], bool],
+        name: str = "decode",
+        executor: Executor | None = None,
+    ):
+        self.router, self.attempts, self.name = router, attempts, name
+        self.on_rerouted, self.stopping = on_rerouted, stopping
+        self.counters = {"failovers": 0}
+        self._pool = executor or ThreadPoolExecutor(4, thread_name_prefix=f"{name}-reroute")
+
+    def retry(self, r: ActiveRequest, reason: str) -> bool:
         """Re-dispatch ``r`` (whose room failed with ``reason`` before completing) under a fresh
         room; False when it is not to be retried (then the caller ends it with the error)."""
-        if self.router is None or r.cancelled or r.cancel_requested() or self._stop:
+        if self.router is None or r.cancelled or r.cancel_requested() or self.stopping():
             return False
-        if r.attempts >= self.params.failover_attempts or reason.startswith(NOT_RETRIED):
+        if r.attempts >= self.attempts or reason.startswith(NOT_RETRIED):
             return False
         sampling = r.req.sampling
         if r.early_first is not None and not (sampling.greedy or sampling.seed is not None):
@@ -82,9 +83,12 @@ class DecodeFailover:
         self.counters["failovers"] += 1
         log.warning(
             "%s: room %d failed before completing (%s): re-dispatching as room %d",
-            self.name, r.req.room, reason, req.room,
-        )  # fmt: skip
-        self._reroute_pool.submit(self._redispatch, nxt, reason)
+            self.name,
+            r.req.room,
+            reason,
+            req.room,
+        )
+        self._pool.submit(self._redispatch, nxt, reason)
         return True
 
     def _redispatch(self, nxt: ActiveRequest, why: str) -> None:  # pool thread
@@ -93,46 +97,9 @@ class DecodeFailover:
             nxt.req, _server = self.router.dispatch(nxt.req)
         except Exception as e:
             err = f"KV transfer failed ({why}); re-dispatching it failed too: {e}"
-        with self._cond:
-            self._rerouted.append((nxt, err))
-            self._cond.notify_all()
+        self.on_rerouted(nxt, err)
 
-    def _take_rerouted(self) -> None:  # loop thread
-        while True:
-            with self._cond:
-                if not self._rerouted:
-                    return
-                nxt, err = self._rerouted.popleft()
-                if err is None and not nxt.cancel_requested():
-                    nxt.queued_at = time.monotonic()
-                    self._waiting.appendleft(nxt)  # it waited already: first in line
-                    continue
-            if err is None:  # cancelled meanwhile: nothing registered yet
-                nxt.cancelled = True
-                self._refuse(nxt.req, "client cancelled")
-            self._finish(nxt, error=err)
-
-    def _take_local(self) -> None:  # loop thread
-        while True:
-            with self._cond:
-                if not self._local:
-                    return
-                r = self._local.popleft()
-            try:
-                seq = self.engine.add_request(r.seq_id, r.req.prompt_ids, r.req.sampling)
-                r.text = seq.text  # the engine's detokenizer (a fresh one: nothing streamed yet)
-            except Exception as e:  # this request only
-                self._finish(r, error=f"decode could not take the request: {e}")
-                continue
-            r.t["local_prefill"] = time.time()
-            self.counters["local_prefills"] = self.counters.get("local_prefills", 0) + 1
-            r.phase = Phase.RUNNING
-            self._running[r.seq_id] = r
-
-    def _close_failover(self) -> None:
-        self._reroute_pool.shutdown(wait=False, cancel_futures=True)
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
         if self.router is not None:
             self.router.close()
-
-    def failover_stats(self) -> dict:
-        return {} if self.router is None else {"router": self.router.stats()}

@@ -1,14 +1,17 @@
-"""A decode request's state inside the decode worker, and the events it emits."""
+"""A decode request's state inside the decode worker, the events it emits, and the table of
+every request the worker holds."""
 
 from __future__ import annotations
 
 import enum
+import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..runtime.detok import TextState
-from ..runtime.sampler import TokenLogprob
-from .request import StageRequest
+from ...runtime.detok import TextState
+from ...runtime.sampler import TokenLogprob
+from ..request import StageRequest
 
 
 class Phase(enum.IntEnum):
@@ -53,7 +56,7 @@ class ActiveRequest:
     early_first: int | None = None  # first token streamed before the KV landed (not yet
     # seen again from the engine, whose first step reports it once more)
     origin: int = 0  # the room the client's request arrived with (failover gives fresh rooms)
-    attempts: int = 0  # re-dispatches to another prefill server so far (decode_failover.py)
+    attempts: int = 0  # re-dispatches to another prefill server so far (failover.py)
 
     @property
     def seq_id(self) -> str:
@@ -73,8 +76,25 @@ class ActiveRequest:
             return True
 
 
-def noop(*_args) -> None:
-    pass
+class Requests:
+    """Every request a decode worker holds, by phase, under ONE condition: the loop thread waits
+    on it, and every hand-off from another thread (a submit, the control plane's callbacks, a
+    cancel, a re-dispatch) notifies it. Running requests are the loop thread's alone."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.waiting: deque[ActiveRequest] = deque()  # no pages yet (FIFO)
+        self.transfers: dict[int, ActiveRequest] = {}  # room -> holds pages, KV in flight
+        self.running: dict[str, ActiveRequest] = {}  # seq id -> in the engine
+
+    def all(self) -> list[ActiveRequest]:
+        with self.cond:
+            return [*self.waiting, *self.transfers.values(), *self.running.values()]
+
+    def holds(self, room: int) -> bool:
+        """Holds ``cond``. Whether a request with the room id ``room`` is held in any phase."""
+        queued = any(r.req.room == room for r in self.waiting)
+        return room in self.transfers or str(room) in self.running or queued
 
 
 def always() -> bool:

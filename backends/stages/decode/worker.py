@@ -16,12 +16,17 @@ Per request (:meth:`DecodeWorker.submit`, any thread):
    (``add_prefilled``, which owns the pages from then on);
 3. each engine step emits the new tokens through the request's ``emit`` callback; while a
    request has nothing to send it gets a heartbeat event every ``HEARTBEAT_S`` so the serving
-   layer can notice a client cancel in every phase.
+   layer can notice a client cancel in every phase (:mod:`.events`).
 
-A failed transfer, a client cancel (``is_cancelled`` or :meth:`DecodeWorker.cancel`) or an
-engine error ends the request with one final event at once; its pages are freed exactly once:
-by this worker before step 2 (after the room's quarantine when prefill may still write into
-them, see kvtransfer/receiver.py), by the engine after it.
+A failed transfer, a client cancel (``is_cancelled`` or :meth:`DecodeWorker.cancel`,
+:mod:`.control`) or an engine error ends the request with one final event at once; its pages are
+freed exactly once: by this worker before step 2 (after the room's quarantine when prefill may
+still write into them, see kvtransfer/receiver/), by the engine after it. A room that failed
+before its KV completed may be re-dispatched to another prefill server instead (:mod:`.failover`).
+
+Local prefill (conditional disaggregation): a request the router marked ``LOCAL`` (short prompt,
+or every prefill server busy) goes straight into this worker's engine, which prefills it in its
+own pool: no pages registered, no KV transfer (:meth:`DecodeWorker._take_local`).
 """
 
 from __future__ import annotations
@@ -34,36 +39,52 @@ from collections.abc import Callable
 
 from kvtransfer import KVReceiver, RoomStatus
 
-from ..runtime.detok import TextState
-from ..runtime.engine import LLMEngine, StepOutput
-from ..runtime.runner import ModelRunner
-from ..runtime.sequence import check_context
-from ..runtime.spec import DraftSpec
-from ..runtime.spec_eagle import spec_engine
-from ..runtime.tokenizer import Tokenizer, has_tokenizer
-from . import errors
-from .cancel import CancelListener
-from .decode_control import DecodeControl
-from .decode_failover import LOCAL, DecodeFailover
-from .decode_state import ActiveRequest, DecodeEvent, Emit, Phase
-from .draft import DRAFT, explain_failure, load_stage_draft, make_draft_pool, spec_stats
-from .latency import Observations
-from .params import StageParams
-from .request import StageRequest, draft_feature, first_logprob
-from .tp import close_ranks, load_stage_model, rank_agents
-from .trace import TraceWriter
+from ...runtime.detok import TextState
+from ...runtime.engine import LLMEngine, StepOutput
+from ...runtime.runner import ModelRunner
+from ...runtime.sequence import check_context
+from ...runtime.spec import DraftSpec
+from ...runtime.spec_eagle import spec_engine
+from ...runtime.tokenizer import Tokenizer, has_tokenizer
+from .. import errors
+from ..cancel import CancelListener
+from ..draft import DRAFT, explain_failure, load_stage_draft, make_draft_pool, spec_stats
+from ..fingerprint import deployment_identity
+from ..latency import Observations
+from ..params import StageParams
+from ..request import StageRequest, draft_feature, first_logprob
+from ..router import LOCAL, PrefillRouter
+from ..tp import close_ranks, load_stage_model, rank_agents
+from ..trace import TraceWriter
+from .control import RequestControl
+from .events import Responder, streams_early
+from .failover import Failover
+from .state import ActiveRequest, DecodeEvent, Emit, Phase, Requests
 
 log = logging.getLogger(__name__)
 
 __all__ = ["DecodeEvent", "DecodeWorker"]
 
 COUNTERS = (
-    "requests", "failed", "cancelled", "overloaded", "steps", "max_batch", "last_batch",
-    "tokens", "loop_errors",
-)  # fmt: skip
+    "requests",
+    "failed",
+    "cancelled",
+    "overloaded",
+    "steps",
+    "max_batch",
+    "last_batch",
+    "tokens",
+    "loop_errors",
+    "local_prefills",
+)
 
 
-class DecodeWorker(DecodeControl, DecodeFailover):
+class DecodeWorker:
+    """Owns the model, its pools, the receiver, the engine, the table of held requests and the
+    loop thread; its request control (:class:`~.control.RequestControl`), events
+    (:class:`~.events.Responder`) and failover (:class:`~.failover.Failover`) are objects it
+    builds and hands what they use."""
+
     def __init__(self, params: StageParams, runner: ModelRunner | None = None, name="decode"):
         self.params = params
         self.runner = runner or load_stage_model(params)
@@ -81,7 +102,7 @@ class DecodeWorker(DecodeControl, DecodeFailover):
             dpool = self.pools[DRAFT] = make_draft_pool(params, self.draft)
             spec = DraftSpec(self.draft, dpool, params.spec_tokens, params.spec_max_batch)
             self.engine = spec_engine(self.runner, self.pool, spec, *size, tokenizer=self.tok)
-        cfg = params.transfer_config()
+        cfg = params.transfer_config(identity=deployment_identity(params))
         runners = {"target": self.runner, DRAFT: self.draft}
         self.agents = rank_agents(cfg, cfg.staging_recv_slots, runners, self.pools)
         self.receiver = KVReceiver(
@@ -90,30 +111,58 @@ class DecodeWorker(DecodeControl, DecodeFailover):
             {role: p.tensor for role, p in self.pools.items()},  # staged transfers
             self.agents,  # tensor parallel: ranks 1..N-1 receive their own shards
         )
+        self.name = name
+        self.trace = TraceWriter(params.trace_dir, name)
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.counters.update(ttft_sum=0.0, ttft_count=0, itl_sum=0.0, itl_count=0)
+        self.latency = Observations()  # histograms (backends/stages/latency.py)
+        self.receiver.transfer_stats.observer = self.latency.room_done
+        self.requests = Requests()  # every request held, by phase; the loop waits on its cond
+        self.out = Responder(
+            name, self.tok, self.counters, self.latency, self.trace, self._client_gone
+        )
+        self.control = RequestControl(
+            self.requests,
+            self.out,
+            self.receiver,
+            self.engine,
+            self.counters,
+            params.queue_timeout_s,
+            name,
+        )
         # clients cancel through this channel too (see backends/stages/cancel.py)
         self.cancel_listener = CancelListener(
             cfg.host, self.cancel, cfg.shared_secret, cfg.max_message_age_s
         )
         self.cancel_addr = self.cancel_listener.addr
-        self.name = name
-        self.trace = TraceWriter(params.trace_dir, name)
-        self._cond = threading.Condition()
-        self._cancel_rooms: set[int] = set()
-        self._waiting: deque[ActiveRequest] = deque()  # no pages yet (FIFO)
-        self._transfers: dict[int, ActiveRequest] = {}  # room -> holds pages, KV in flight
+        # hand-offs to the loop thread (under requests.cond)
         self._ready: deque[tuple[int, RoomStatus]] = deque()  # rooms released (control thread)
         self._failed: deque[tuple[int, str]] = deque()  # rooms failed (control thread)
         self._firsts: deque[tuple[int, int]] = deque()  # prefill's first tokens (control thread)
-        self._running: dict[str, ActiveRequest] = {}  # seq id -> in the engine
-        self.counters = dict.fromkeys(COUNTERS, 0)
-        self.counters.update(ttft_sum=0.0, ttft_count=0, itl_sum=0.0, itl_count=0)
-        self.latency = Observations()  # histograms (backends/stages/latency.py)
-        self.receiver.transfer_stats.observer = self.latency.room_done
+        self._rerouted: deque[tuple[ActiveRequest, str | None]] = deque()  # failover's results
+        self._local: deque[ActiveRequest] = deque()  # to prefill in this engine
         self._stop = False
-        self._last_poll = 0.0
-        self._init_failover(params)  # re-dispatch to another prefill server (decode role)
+        self.failover = Failover(
+            self._failover_router(params),
+            params.failover_attempts,
+            self._on_rerouted,
+            lambda: self._stop,
+            name,
+        )
         self._thread = threading.Thread(target=self._loop, name=f"{name}-loop", daemon=True)
         self._thread.start()
+
+    def _failover_router(self, params: StageParams) -> PrefillRouter | None:
+        """A decode server's router, to re-dispatch a failed room (None: no prefill_servers)."""
+        if not params.prefill_servers:
+            return None
+        return PrefillRouter(
+            params.servers(),
+            params.route_timeout_s,
+            params.probe_interval_s,
+            name=f"{self.name}-failover",
+            fingerprint=self.receiver.fingerprint,
+        )
 
     # ---- public API (any thread) -------------------------------------------------------------
     def validate(self, req: StageRequest) -> None:
@@ -140,33 +189,32 @@ class DecodeWorker(DecodeControl, DecodeFailover):
         r = ActiveRequest(req, emit, is_cancelled)
         if self.tok is not None:
             r.text = TextState(self.tok, req.sampling.stop)
-        with self._cond:
-            if req.room in self._transfers or r.seq_id in self._running or self._queued(req.room):
+        held = self.requests
+        with held.cond:
+            if held.holds(req.room):
                 raise ValueError(f"room {req.room} is already in use")
         try:
             self.validate(req)
-            with self._cond:
+            with held.cond:
                 if self._stop:
                     raise errors.Overloaded(f"{self.name} is shutting down")
-                if len(self._waiting) >= self.params.max_queue:
+                if len(held.waiting) >= self.params.max_queue:
                     self.counters["overloaded"] += 1
-                    raise errors.Overloaded(f"{len(self._waiting)} requests wait for KV pages")
+                    raise errors.Overloaded(f"{len(held.waiting)} requests wait for KV pages")
                 self.counters["requests"] += 1
                 r.t["submitted"], r.queued_at = time.time(), time.monotonic()
                 r.last_event = r.queued_at
-                self._waiting.append(r)
+                held.waiting.append(r)
         except (ValueError, errors.Overloaded) as e:
-            self._refuse(req, str(e))
+            self.control.refuse(req, str(e))
             raise
         self._register_waiting()
-        with self._cond:
-            self._cond.notify_all()
+        with held.cond:
+            held.cond.notify_all()
 
     def cancel(self, room: int) -> None:
         """Stop a request (any thread): it ends with a final event, its pages are freed."""
-        with self._cond:
-            self._cancel_rooms.add(room)
-            self._cond.notify_all()
+        self.control.cancel(room)
 
     @property
     def pages_in_use(self) -> int:
@@ -176,11 +224,13 @@ class DecodeWorker(DecodeControl, DecodeFailover):
     def stats(self) -> dict:
         snap = self.receiver.stats()
         transfer_errors = snap.get("loop_errors", 0)
-        with self._cond:
+        held = self.requests
+        with held.cond:
             snap.update(self.counters)
-            snap["waiting"] = len(self._waiting) + len(self._transfers) + len(self.engine.waiting)
+            snap.update(self.failover.counters)
+            snap["waiting"] = len(held.waiting) + len(held.transfers) + len(self.engine.waiting)
             snap["running"] = len(self.engine.running)
-            quarantined = [r for r in self._transfers.values() if r.phase == Phase.DONE]
+            quarantined = [r for r in held.transfers.values() if r.phase == Phase.DONE]
             snap["quarantined_pages"] = sum(len(p) for r in quarantined for p in r.pages.values())
         snap["loop_errors"] += transfer_errors
         lis = self.cancel_listener  # its drops count with the control plane's
@@ -195,132 +245,186 @@ class DecodeWorker(DecodeControl, DecodeFailover):
 
     def idle(self) -> bool:
         """No request held in any phase."""
-        return not self._all()
+        return not self.requests.all()
 
     def close(self) -> None:
         """Every request not yet finished gets a final error; then the threads stop."""
-        with self._cond:
+        with self.requests.cond:
             self._stop = True
-            self._cond.notify_all()
+            self.requests.cond.notify_all()
         self._thread.join(timeout=10)
-        for r in self._all():
+        for r in self.requests.all():
             if r.phase != Phase.DONE:
-                self._finish(r, error="decode instance shutting down", kind=errors.OVERLOADED)
-        self._close_failover()
+                self.out.finish(r, error="decode instance shutting down", kind=errors.OVERLOADED)
+        self.failover.close()
         self.cancel_listener.close()
         self.receiver.close()
         close_ranks([self.runner, self.draft], self.agents)
 
+    # ---- hand-offs to the loop thread --------------------------------------------------------
+    def _post(self, inbox: deque, item) -> None:
+        with self.requests.cond:
+            inbox.append(item)
+            self.requests.cond.notify_all()
+
+    def _on_release(self, room: int, status: RoomStatus) -> None:  # control thread
+        self._post(self._ready, (room, status))
+
+    def _on_fail(self, room: int, reason: str) -> None:  # control thread
+        self._post(self._failed, (room, reason))
+
+    def _on_first(self, room: int, token: int) -> None:  # control thread
+        self._post(self._firsts, (room, token))
+
+    def _on_rerouted(self, nxt: ActiveRequest, err: str | None) -> None:  # failover's threads
+        self._post(self._rerouted, (nxt, err))
+
+    def _client_gone(self, r: ActiveRequest) -> None:  # its emit raised: stop generating
+        self.control.cancel_one(r)
+
     # ---- registration ------------------------------------------------------------------------
-    def _queued(self, room: int) -> bool:
-        return any(r.req.room == room for r in self._waiting)
-
-    def _refuse(self, req: StageRequest, reason: str) -> None:
-        """Tell prefill at once that this room will never be registered, so it drops the
-        request now instead of after its queue timeout (best effort)."""
-        if req.bootstrap_addr:
-            try:
-                self.receiver.refuse(req.room, [req.bootstrap_addr], reason)
-            except Exception:
-                log.debug("%s: room %d: refusing at prefill failed", self.name, req.room)
-
     def _register_waiting(self) -> None:
         """Give pages to waiting requests in FIFO order and register them with prefill."""
+        held = self.requests
         while True:
-            with self._cond:
-                if not self._waiting:
+            with held.cond:
+                if not held.waiting:
                     return
-                r = self._waiting[0]
+                r = held.waiting[0]
                 if r.req.bootstrap_addr == LOCAL:  # prefilled here by the engine: no pages yet
-                    self._local.append(self._waiting.popleft())
-                    self._cond.notify_all()
+                    self._local.append(held.waiting.popleft())
+                    held.cond.notify_all()
                     continue
                 n = len(r.req.prompt_ids) + r.req.sampling.max_tokens - 1
                 need = {role: p.pages_needed(n) for role, p in self.pools.items()}
                 if any(need[role] > p.num_free for role, p in self.pools.items()):
                     return
-                self._waiting.popleft()
+                held.waiting.popleft()
                 r.pages = {role: p.alloc(need[role]) for role, p in self.pools.items()}
                 r.phase = Phase.TRANSFER
-                self._transfers[r.req.room] = r
+                held.transfers[r.req.room] = r
             self._register(r)
 
     def _register(self, r: ActiveRequest) -> None:
         prompt = len(r.req.prompt_ids)
         dst = {role: r.pages[role][: self.pools[role].pages_needed(prompt)] for role in r.pages}
+        callbacks = (self._on_release, self._on_fail, self._on_first)
         try:
-            self.receiver.register(
-                r.req.room, [r.req.bootstrap_addr], dst, prompt, self._on_release, self._on_fail,
-                self._on_first,
-            )  # fmt: skip
+            self.receiver.register(r.req.room, [r.req.bootstrap_addr], dst, prompt, *callbacks)
             r.t["registered"] = time.time()
         except Exception as e:  # bad address, room id in use...: this request only
-            with self._cond:
-                self._transfers.pop(r.req.room, None)
+            with self.requests.cond:
+                self.requests.transfers.pop(r.req.room, None)
             self._free(r)
-            self._finish(r, error=f"registering KV pages with prefill failed: {e}")
-
-    def _on_release(self, room: int, status: RoomStatus) -> None:  # control thread
-        with self._cond:
-            self._ready.append((room, status))
-            self._cond.notify_all()
-
-    def _on_fail(self, room: int, reason: str) -> None:  # control thread
-        with self._cond:
-            self._failed.append((room, reason))
-            self._cond.notify_all()
+            self.out.finish(r, error=f"registering KV pages with prefill failed: {e}")
 
     # ---- loop thread -------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop:
-            with self._cond:
-                busy = self._ready or self._failed or self._cancel_rooms or self._rerouted
+            with self.requests.cond:
+                busy = self._ready or self._failed or self.control.pending or self._rerouted
                 busy = busy or self._local or self._firsts
                 if not (busy or self.engine.has_unfinished()):
-                    self._cond.wait(0.05)
+                    self.requests.cond.wait(0.05)
             try:
-                self._poll_cancelled()
+                self.control.poll()
                 self._take_first()
                 self._take_failed()
                 self._take_rerouted()
                 self._take_local()
                 self._take_ready()
                 self._register_waiting()
-                self._expire_waiting()
+                self.control.expire_waiting()
                 if self.engine.has_unfinished():
                     self._step()
-                self._heartbeats()
+                self.out.heartbeats(self.requests.all())
             except Exception:  # the loop never dies: count, log, go on
                 self.counters["loop_errors"] += 1
                 log.exception("%s: decode loop iteration failed", self.name)
                 time.sleep(0.01)
 
+    def _next_of_room(self, inbox: deque, pop: bool = False):
+        """The oldest (room, value) of ``inbox`` and the request transferring into that room
+        (None if none; taken out of the transfers with ``pop``), or None when ``inbox`` is
+        empty."""
+        with self.requests.cond:
+            if not inbox:
+                return None
+            room, value = inbox.popleft()
+            transfers = self.requests.transfers
+            return room, value, transfers.pop(room, None) if pop else transfers.get(room)
+
+    def _take_first(self) -> None:
+        """Prefill's first token, before the room's KV landed: a streaming request gets it at
+        once (non-streaming requests are unchanged; the engine reports it again later)."""
+        while (got := self._next_of_room(self._firsts)) is not None:
+            _room, token, r = got
+            if r is None or r.phase != Phase.TRANSFER or r.out_ids:
+                continue
+            if not streams_early(r, token, self.eos_ids):
+                continue
+            now = time.time()
+            r.early_first, r.out_ids = token, [token]
+            r.t["first_token"] = r.t["first_token_streamed"] = r.t["last_token"] = now
+            self.counters["tokens"] += 1
+            self.counters["ttft_sum"] += now - r.t["submitted"]
+            self.counters["ttft_count"] += 1
+            self.out.send(r, self.out.event(r, [token], []))
+
     def _take_failed(self) -> None:
-        """Rooms that failed: the request ends now; its pages wait for the room's release."""
-        while True:
-            with self._cond:
-                if not self._failed:
-                    return
-                room, reason = self._failed.popleft()
-                r = self._transfers.get(room)
-            if r is not None and r.phase == Phase.TRANSFER and not self._retry(r, reason):
+        """Rooms that failed: the request ends now, or is re-dispatched under a fresh room; its
+        pages wait for the room's release."""
+        while (got := self._next_of_room(self._failed)) is not None:
+            _room, reason, r = got
+            if r is not None and r.phase == Phase.TRANSFER and not self.failover.retry(r, reason):
                 after = " after the first token was streamed" if r.early_first is not None else ""
-                self._finish(r, error=f"KV transfer failed{after}: {explain_failure(reason)}")
+                self.out.finish(r, error=f"KV transfer failed{after}: {explain_failure(reason)}")
+
+    def _take_rerouted(self) -> None:
+        """Re-dispatched requests: first in line for new pages (they waited already), or ended
+        with the error when no prefill server took them."""
+        while True:
+            with self.requests.cond:
+                if not self._rerouted:
+                    return
+                nxt, err = self._rerouted.popleft()
+                if err is None and not nxt.cancel_requested():
+                    nxt.queued_at = time.monotonic()
+                    self.requests.waiting.appendleft(nxt)
+                    continue
+            if err is None:  # cancelled meanwhile: nothing registered yet
+                nxt.cancelled = True
+                self.control.refuse(nxt.req, "client cancelled")
+            self.out.finish(nxt, error=err)
+
+    def _take_local(self) -> None:
+        """Requests the router left to this server: the engine prefills them in its own pool."""
+        while True:
+            with self.requests.cond:
+                if not self._local:
+                    return
+                r = self._local.popleft()
+            try:
+                seq = self.engine.add_request(r.seq_id, r.req.prompt_ids, r.req.sampling)
+                r.text = seq.text  # the engine's detokenizer (a fresh one: nothing streamed yet)
+            except Exception as e:  # this request only
+                self.out.finish(r, error=f"decode could not take the request: {e}")
+                continue
+            r.t["local_prefill"] = time.time()
+            self.counters["local_prefills"] += 1
+            r.phase = Phase.RUNNING
+            self.requests.running[r.seq_id] = r
 
     def _take_ready(self) -> None:
-        while True:
-            with self._cond:
-                if not self._ready:
-                    return
-                room, status = self._ready.popleft()
-                r = self._transfers.pop(room, None)
+        while (got := self._next_of_room(self._ready, pop=True)) is not None:
+            room, status, r = got
             if r is None:
                 continue
             r.t["transfer_done"] = time.time()
             if r.phase == Phase.DONE or status != RoomStatus.Success:  # failed / cancelled
                 self._free(r)
                 why = explain_failure(self.receiver.failure_reason(room) or status.name)
-                self._finish(r, error=f"KV transfer failed: {why}")  # no-op when done
+                self.out.finish(r, error=f"KV transfer failed: {why}")  # no-op when done
                 continue
             try:
                 first, extra = self.receiver.result(room)
@@ -328,17 +432,25 @@ class DecodeWorker(DecodeControl, DecodeFailover):
                 self._add_prefilled(r, first, extra)
             except Exception as e:
                 self._free(r)
-                self._finish(r, error=f"decode could not take the prefilled request: {e}")
+                self.out.finish(r, error=f"decode could not take the prefilled request: {e}")
                 continue
             r.phase = Phase.RUNNING
-            self._running[r.seq_id] = r
+            self.requests.running[r.seq_id] = r
 
     def _add_prefilled(self, r: ActiveRequest, first: int, extra: dict) -> None:
         """Hand the request to the engine, which owns (and frees) its pages from then on."""
         lp, feature = first_logprob(extra, first, r.req.sampling), draft_feature(extra)
-        self.engine.add_prefilled(r.seq_id, r.req.prompt_ids, r.pages["target"], first,
-                                  r.req.sampling, draft_pages=r.pages.get(DRAFT), first_logprob=lp,
-                                  text=r.text, draft_feature=feature)  # fmt: skip
+        self.engine.add_prefilled(
+            r.seq_id,
+            r.req.prompt_ids,
+            r.pages["target"],
+            first,
+            r.req.sampling,
+            draft_pages=r.pages.get(DRAFT),
+            first_logprob=lp,
+            text=r.text,
+            draft_feature=feature,
+        )
         r.pages = {}
 
     def _free(self, r: ActiveRequest) -> None:
@@ -357,20 +469,20 @@ class DecodeWorker(DecodeControl, DecodeFailover):
         c["max_batch"] = max(c["max_batch"], batch)
         self._deliver(out, now)
         if self.trace.enabled:  # wall - cpu: the thread waited for a core (bench/trace_split.py)
-            self.trace.write({"stage": "decode-step", "start": start, "end": now, "cpu": cpu,
-                              "batch": batch, "sent": time.time()})  # fmt: skip
+            step = {"stage": "decode-step", "start": start, "end": now, "cpu": cpu, "batch": batch}
+            self.trace.write({**step, "sent": time.time()})
 
     def _deliver(self, out: StepOutput, now: float) -> None:
         """Emit each sequence's new tokens of one step; finish the sequences that ended."""
         c = self.counters
         reasons = {s.seq_id: s.finish_reason for s in out.finished}
         for seq_id in set(out.new_tokens) | set(reasons):
-            r = self._running.get(seq_id)
+            r = self.requests.running.get(seq_id)
             if r is None:
                 continue
             if seq_id in out.errors:  # this sequence failed; the others go on
-                del self._running[seq_id]
-                self._finish(r, error=f"decode failed for this request: {out.errors[seq_id]}")
+                del self.requests.running[seq_id]
+                self.out.finish(r, error=f"decode failed for this request: {out.errors[seq_id]}")
                 continue
             tokens = out.new_tokens.get(seq_id, [])
             logprobs = out.logprobs.get(seq_id, [])
@@ -390,9 +502,9 @@ class DecodeWorker(DecodeControl, DecodeFailover):
             r.t["last_token"] = now
             final = seq_id in reasons
             if r.req.stream and tokens and not final:
-                self._send(r, self._event(r, tokens, logprobs))
+                self.out.send(r, self.out.event(r, tokens, logprobs))
             r.out_ids += tokens
             r.out_logprobs += logprobs
             if final:
-                del self._running[seq_id]
-                self._finish(r, reason=reasons[seq_id], tokens=tokens, logprobs=logprobs)
+                del self.requests.running[seq_id]
+                self.out.finish(r, reason=reasons[seq_id], tokens=tokens, logprobs=logprobs)

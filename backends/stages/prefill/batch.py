@@ -25,13 +25,35 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..runtime.eagle import EagleHead
-from ..runtime.runner import SeqInput
-from ..runtime.sampler import sample, token_logprobs
-from .draft import DRAFT, copy_prefix_kv
-from .request import FEATURE_KEY, StageRequest, logprob_extra
+from kvtransfer import KVSender
+
+from ...runtime.eagle import EagleHead
+from ...runtime.kv_pool import KVPool
+from ...runtime.paged import SeqInput
+from ...runtime.runner import ModelRunner
+from ...runtime.sampler import sample, token_logprobs
+from ..draft import DRAFT, copy_prefix_kv
+from ..policy import LayerGroupPolicy
+from ..request import FEATURE_KEY, StageRequest, logprob_extra
 
 Groups = list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class BatchContext:
+    """What a forward uses of its prefill stage: built once by the worker, shared by every batch."""
+
+    runner: ModelRunner
+    pool: KVPool
+    sender: KVSender
+    policy: LayerGroupPolicy
+    max_prefill_tokens: int  # a longer prompt is computed alone, in chunks of it
+    # completion fence of the work queued so far on the compute stream (None on CPU); the
+    # sender's transfer worker waits on it, never the compute thread
+    record_fence: Callable[[], object]
+    draft: ModelRunner | EagleHead | None = None  # None: speculative decoding off
+    draft_pool: KVPool | None = None
+    draft_is_prefix: bool = False  # a self-draft: its prompt KV is copied from the target's
 
 
 class RoomGone(RuntimeError):
@@ -50,12 +72,12 @@ class Member:
     error: Exception | None = None
 
 
-def _head_prompt(worker, live: list[Member], feats: dict) -> None:
+def _head_prompt(ctx: BatchContext, live: list[Member], feats: dict) -> None:
     run = [m for m in live if len(m.req.prompt_ids) > 1]  # pairs (f_i, x_{i+1}), i < P - 1
     if run:
         seqs = [SeqInput(m.req.prompt_ids[1:], 0, m.pages[DRAFT]) for m in run]
         f = [feats[id(m)][:-1] for m in run]
-        worker.draft.forward_head(worker.draft_pool, seqs, f, logits=False)
+        ctx.draft.forward_head(ctx.draft_pool, seqs, f, logits=False)
     for m in live:
         m.extra[FEATURE_KEY] = feats[id(m)][-1].float().tolist()
 
@@ -77,8 +99,12 @@ def take(ready: deque[int], tokens_of: Callable[[int], int | None], budget: int)
     return out
 
 
-def gather(cond: threading.Condition, burst: Callable[[float], tuple[int, bool]], budget: int,
-           window: float) -> None:  # fmt: skip
+def gather(
+    cond: threading.Condition,
+    burst: Callable[[float], tuple[int, bool]],
+    budget: int,
+    window: float,
+) -> None:
     """Holds ``cond``. A burst's rooms become ready one by one, as decode registers each: wait
     while the batch has room and more are on their way (``burst(now)`` -> ready tokens,
     arriving), at most ``window`` seconds. A lone request does not wait."""
@@ -96,10 +122,10 @@ def chunks(n: int, budget: int) -> list[tuple[int, int]]:
     return [(a, min(a + budget, n)) for a in range(0, n, budget)]
 
 
-def compute(worker, members: list[Member], groups: Groups | None = None) -> None:
+def compute(ctx: BatchContext, members: list[Member], groups: Groups | None = None) -> None:
     """Run ``members`` (rooms already started on the sender) as one prefill and finish each:
     first token and Complete for those that got through, ``member.error`` for the others."""
-    runner, sender, budget = worker.runner, worker.sender, worker.params.max_prefill_tokens
+    runner, sender, budget = ctx.runner, ctx.sender, ctx.max_prefill_tokens
     n_layers = runner.config.num_layers
     live = list(members)
 
@@ -110,7 +136,7 @@ def compute(worker, members: list[Member], groups: Groups | None = None) -> None
             live.remove(m)
 
     def on_group(a: int, b: int) -> None:  # layers [a, b) are launched: fence, hand over
-        fence = worker.record_fence()
+        fence = ctx.record_fence()
         for m in list(live):
             m.timing.setdefault("groups", []).append([a, b, time.time()])
             try:
@@ -123,16 +149,15 @@ def compute(worker, members: list[Member], groups: Groups | None = None) -> None
             raise RoomGone("every room of the batch ended while prefill computed it")
 
     seqs = [SeqInput(m.req.prompt_ids, 0, m.pages["target"]) for m in members]
-    worker.counters["batches"] += 1
-    head = isinstance(worker.draft, EagleHead)  # it reads the target's features
+    head = isinstance(ctx.draft, EagleHead)  # it reads the target's features
     try:
         early: list = []
         if len(members) == 1 and len(members[0].req.prompt_ids) > budget:  # chunked prefill
-            last, early = _earlier_chunks(worker, members[0], budget, head)
+            last, early = _earlier_chunks(ctx, members[0], budget, head)
             seqs = [last]
         total = sum(len(s.token_ids) for s in seqs)
-        groups = groups or worker.policy.groups(total, n_layers)
-        out = runner.prefill_batch(worker.pool, seqs, groups, on_group, features=head)
+        groups = groups or ctx.policy.groups(total, n_layers)
+        out = runner.prefill_batch(ctx.pool, seqs, groups, on_group, features=head)
         logits, feats = out if head else (out, None)  # [B, vocab]; per room [P, hidden]
         if early:
             feats = [torch.cat([*early, *feats])]
@@ -140,11 +165,11 @@ def compute(worker, members: list[Member], groups: Groups | None = None) -> None
         for m in list(live):
             drop(m, e)
         return
-    _first_tokens(worker, members, live, logits, drop)
-    _draft(worker, live, drop, dict(zip(map(id, members), feats or [], strict=False)))
+    _first_tokens(ctx, members, live, logits, drop)
+    _draft(ctx, live, drop, dict(zip(map(id, members), feats or [], strict=False)))
 
 
-def _earlier_chunks(worker, m: Member, budget: int, features: bool):
+def _earlier_chunks(ctx: BatchContext, m: Member, budget: int, features: bool):
     """Prefill every chunk of ``m``'s prompt but the last (no streaming: later chunks rewrite
     nothing, but a layer's KV is complete only after the last chunk). -> (the last chunk's
     input, the earlier chunks' features when asked for)."""
@@ -152,19 +177,19 @@ def _earlier_chunks(worker, m: Member, budget: int, features: bool):
     *first, (a, b) = chunks(len(ids), budget)
     feats = []
     for c0, c1 in first:
-        out = worker.runner.prefill_batch(worker.pool, [SeqInput(ids[c0:c1], c0, pages)],
-                                          features=features)  # fmt: skip
+        chunk = [SeqInput(ids[c0:c1], c0, pages)]
+        out = ctx.runner.prefill_batch(ctx.pool, chunk, features=features)
         feats += out[1] if features else []
-        if not worker.sender.is_live(m.req.room):
+        if not ctx.sender.is_live(m.req.room):
             raise RoomGone("the room ended while prefill computed it")
     return SeqInput(ids[a:b], a, pages), feats
 
 
-def _first_tokens(worker, members, live, logits, drop) -> None:
+def _first_tokens(ctx: BatchContext, members, live, logits, drop) -> None:
     rows = [i for i, m in enumerate(members) if m in live]
     batch = [members[i] for i in rows]
     sps = [m.req.sampling for m in batch]
-    gens = [sp.make_generator(worker.runner.device) for sp in sps]
+    gens = [sp.make_generator(ctx.runner.device) for sp in sps]
     errors: dict[int, str] = {}
     hist = [(m.req.prompt_ids, []) for m in batch]
     firsts = sample(logits[rows], sps, gens, errors=errors, histories=hist)
@@ -176,39 +201,39 @@ def _first_tokens(worker, members, live, logits, drop) -> None:
         m.first_token, m.extra = firsts[j], logprob_extra(lps[j])
         m.timing["computed"] = time.time()
         try:
-            worker.sender.first_token(m.req.room, m.first_token)  # before the KV lands
+            ctx.sender.first_token(m.req.room, m.first_token)  # before the KV lands
         except Exception as e:
             drop(m, e)
 
 
-def _draft(worker, live: list[Member], drop, feats: dict) -> None:
+def _draft(ctx: BatchContext, live: list[Member], drop, feats: dict) -> None:
     """The draft's prompt KV of every room still live (entry ``draft``), then Complete; an
     EAGLE head's: its pairs of the prompt's features ``feats`` (id(member) -> [P, hidden])
     and tokens, and Complete carries the last prompt position's feature."""
-    if worker.draft is not None and live:
+    if ctx.draft is not None and live:
         try:
             if feats:
-                _head_prompt(worker, live, feats)
-            elif worker.draft_is_prefix:
+                _head_prompt(ctx, live, feats)
+            elif ctx.draft_is_prefix:
                 for m in live:
                     target, draft = m.pages["target"], m.pages[DRAFT]
-                    copy_prefix_kv(worker.pool, target, worker.draft_pool, draft)
+                    copy_prefix_kv(ctx.pool, target, ctx.draft_pool, draft)
             else:
                 seqs = [SeqInput(m.req.prompt_ids, 0, m.pages[DRAFT]) for m in live]
-                worker.draft.prefill_batch(worker.draft_pool, seqs)
+                ctx.draft.prefill_batch(ctx.draft_pool, seqs)
         except Exception as e:
             for m in list(live):
                 drop(m, e)
-        fence = worker.record_fence()
+        fence = ctx.record_fence()
         for m in list(live):
             try:
-                layers = range(worker.draft.config.num_layers)
-                worker.sender.send_group(m.req.room, DRAFT, layers, fence)
+                layers = range(ctx.draft.config.num_layers)
+                ctx.sender.send_group(m.req.room, DRAFT, layers, fence)
                 m.timing["draft_computed"] = time.time()
             except Exception as e:
                 drop(m, e)
     for m in list(live):
         try:
-            worker.sender.finish(m.req.room, m.first_token, m.extra)
+            ctx.sender.finish(m.req.room, m.first_token, m.extra)
         except Exception as e:
             drop(m, e)

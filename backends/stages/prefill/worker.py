@@ -5,7 +5,7 @@ One :class:`PrefillWorker` per prefill instance owns the model runner, its KV po
 and ONE compute thread. :meth:`PrefillWorker.submit` queues a request; the compute thread takes
 it only once decode has registered its destination pages (decode holds its pages: natural
 backpressure, a request is never failed for waiting on decode), in registration order, batched
-with the other registered rooms up to ``prefill_batch_tokens`` (:mod:`.prefill_batch`). Then, per
+with the other registered rooms up to ``prefill_batch_tokens`` (:mod:`.batch`). Then, per
 room: allocate pages, ``start_room``; for the batch: run the prompts group by group calling
 ``send_group`` for every room after each (with the group's completion fence), sample each first
 token, ``finish``. The sender's release callback frees the pages once the room ended and no write
@@ -16,7 +16,7 @@ a request decode never registers leaves after ``queue_timeout_s``; a room decode
 dropped before compute, or stops between layer groups. ``on_done(result)`` runs exactly once
 per submitted request.
 
-With ``spec_enabled`` (:mod:`.draft`) the worker also holds the draft model and a draft KV pool:
+With ``spec_enabled`` (:mod:`..draft`) the worker also holds the draft model and a draft KV pool:
 after the target's groups it runs the draft over the prompt (a self-draft's KV is copied from
 the target's first layers instead) and sends those pages as the room's ``draft`` entry.
 """
@@ -33,18 +33,18 @@ from dataclasses import dataclass, field
 
 from kvtransfer import KVSender, RoomStatus
 
-from ..runtime.device import record_fence
-from ..runtime.kv_pool import KVPool
-from ..runtime.runner import ModelRunner
-from . import prefill_batch as batch
-from .draft import DRAFT, load_stage_draft, make_draft_pool, shares_target_layers
-from .errors import Overloaded
-from .latency import Observations
-from .params import StageParams
-from .prefill_batch import Groups, RoomGone
-from .request import StageRequest
-from .tp import close_ranks, load_stage_model, rank_agents
-from .trace import TraceWriter
+from ...runtime.device import record_fence
+from ...runtime.kv_pool import KVPool
+from ...runtime.runner import ModelRunner
+from ..draft import DRAFT, load_stage_draft, make_draft_pool, shares_target_layers
+from ..errors import Overloaded
+from ..fingerprint import deployment_identity
+from ..latency import Observations
+from ..params import StageParams
+from ..request import StageRequest
+from ..tp import close_ranks, load_stage_model, rank_agents
+from ..trace import TraceWriter
+from .batch import BatchContext, Groups, Member, RoomGone, compute, gather, take
 
 log = logging.getLogger(__name__)
 DRAIN_S = 30.0  # at close, how long KV already computed may keep moving to its decode
@@ -86,11 +86,9 @@ class PrefillWorker:
         self.pool: KVPool = self.runner.make_pool(params.num_pages, params.page_size)
         self.draft = load_stage_draft(params, self.runner)  # None: speculative decoding off
         self.draft_pool = make_draft_pool(params, self.draft) if self.draft else None
-        self.draft_is_prefix = bool(self.draft) and shares_target_layers(self.draft, self.runner)
-        self.policy = params.policy()
         self._batch_tokens = min(params.prefill_batch_tokens, params.max_prefill_tokens)
         self._gather_s = params.prefill_gather_ms / 1e3  # see _burst
-        cfg = params.transfer_config(instance_index)
+        cfg = params.transfer_config(instance_index, deployment_identity(params))
         runners = {"target": self.runner, DRAFT: self.draft}
         self.agents = rank_agents(cfg, cfg.staging_slots, runners, dict(self._pools()))
         self.sender = KVSender(
@@ -104,9 +102,18 @@ class PrefillWorker:
         self.sender.transfer_stats.observer = self.latency.room_done
         self.name = f"{name}{instance_index}"
         self.trace = TraceWriter(params.trace_dir, self.name)
-        # completion fence of the work queued so far on the compute stream (None on CPU); the
-        # sender's transfer worker waits on it, never this worker's compute thread
-        self.record_fence = lambda: record_fence(self.runner.device)
+        device = self.runner.device
+        self.batch = BatchContext(
+            runner=self.runner,
+            pool=self.pool,
+            sender=self.sender,
+            policy=params.policy(),
+            max_prefill_tokens=params.max_prefill_tokens,
+            record_fence=lambda: record_fence(device),
+            draft=self.draft,
+            draft_pool=self.draft_pool,
+            draft_is_prefix=bool(self.draft) and shares_target_layers(self.draft, self.runner),
+        )
         keys = ("requests", "failed", "overloaded", "loop_errors", "batches")
         self.counters = dict.fromkeys(keys, 0)
         self._cond = threading.Condition()
@@ -263,8 +270,8 @@ class PrefillWorker:
                     self._cond.wait(0.5)
                 if self._stop:
                     return
-                batch.gather(self._cond, self._burst, self._batch_tokens, self._gather_s)
-                rooms = batch.take(self._ready, self._ready_tokens, self._batch_tokens)
+                gather(self._cond, self._burst, self._batch_tokens, self._gather_s)
+                rooms = take(self._ready, self._ready_tokens, self._batch_tokens)
                 jobs = [self._jobs[r] for r in rooms]
                 for job in jobs:
                     job.state = JobState.COMPUTING
@@ -304,7 +311,7 @@ class PrefillWorker:
                 self._requeue(jobs[i:])
                 break
             self.latency.observe("queue", now - job.queued_at)
-            m = batch.Member(req, {}, {"start": time.time()})
+            m = Member(req, {}, {"start": time.time()})
             try:
                 if not self.sender.is_live(req.room):
                     raise RoomGone("the room ended before prefill started it")
@@ -322,7 +329,8 @@ class PrefillWorker:
                 m.error = e
                 results.append(self._result(m))
         if members:
-            batch.compute(self, members)
+            self.counters["batches"] += 1
+            compute(self.batch, members)
         return results + [self._result(m) for m in members]
 
     def _requeue(self, jobs: list[_Job]) -> None:
@@ -338,7 +346,7 @@ class PrefillWorker:
         """Prefill one request NOW on the calling thread, without waiting for decode's
         registration (tests and benchmarks; serving uses :meth:`submit`). ``groups``
         overrides the layer-group policy."""
-        m = batch.Member(req, {}, {"start": time.time()})
+        m = Member(req, {}, {"start": time.time()})
         self.counters["requests"] += 1
         try:
             self.check(req)
@@ -349,16 +357,17 @@ class PrefillWorker:
             self._free(m.pages)
             m.error = e
             return self._result(m)
-        batch.compute(self, [m], groups)
+        self.counters["batches"] += 1
+        compute(self.batch, [m], groups)
         return self._result(m)
 
-    def _result(self, m: batch.Member) -> PrefillResult:
+    def _result(self, m: Member) -> PrefillResult:
         res = PrefillResult(m.req.room, m.first_token, timing=m.timing)
         if m.error is not None:
             res.first_token = None
             self._failed(res, m.error)
-        self.trace.write({"stage": "prefill", "worker": self.name, "room": res.room,
-                          "error": res.error, **res.timing})  # fmt: skip
+        record = {"stage": "prefill", "worker": self.name, "room": res.room, "error": res.error}
+        self.trace.write({**record, **res.timing})
         return res
 
     def _failed(self, res: PrefillResult, e: Exception) -> None:

@@ -19,9 +19,9 @@ from collections.abc import Callable
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from . import request as rq
-from .fingerprint import PARAM, from_labels
-from .metrics import INFO
+from .. import request as rq
+from ..fingerprint import PARAM, from_labels
+from ..metrics import INFO
 
 PREFILL_MODEL = "prefill"
 QUEUE_METRIC = "pd_queued_prompt_tokens"

@@ -1,13 +1,13 @@
-"""Per-prefill-server routing metrics of a decode server (:data:`.metrics.ROUTER_METRICS`),
+"""Per-prefill-server routing metrics of a decode server (:data:`..metrics.ROUTER_METRICS`),
 fed from :meth:`PrefillRouter.stats` by a small thread. ``pb`` is passed in, as in
-:mod:`.triton_glue`."""
+:mod:`..triton_glue`."""
 
 from __future__ import annotations
 
 import logging
 import threading
 
-from .metrics import ROUTER_METRICS, publish
+from ..metrics import ROUTER_METRICS, publish
 
 log = logging.getLogger(__name__)
 

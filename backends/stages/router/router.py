@@ -12,36 +12,34 @@ waiting and computing prompts, from every router that uses it), read every
 two reads spreads over the servers instead of piling onto the one that looked idle. Ties go to
 the server that took fewer requests.
 
-Server lifecycle (:class:`ServerState`): ``Up`` until a forward breaks (connection refused or
-lost), a forward's first answer or a metrics read takes longer than ``route_timeout_s``; then
-``Down`` (never routed to), probed every ``probe_interval_s`` (gRPC model readiness and a
-metrics read) and ``Up`` again once both work. A forward the server refused with an error
-response (e.g. overloaded) moves on to the next server without marking it down.
+Each server is ``Up``, ``Down`` or ``Incompatible`` (:mod:`.servers`). A forward the server
+refused with an error response (e.g. overloaded) moves on to the next server without marking it
+down.
 
 :meth:`PrefillRouter.dispatch` tries the servers in load order until one answers, and raises
 :class:`NoPrefillServer` naming every server's reason only when none is left.
+
+Readiness: the router is ready while some prefill server is ``Up`` or it may prefill locally;
+every change is logged with each server's reason and exported as ``pd_ready``.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
-from kvtransfer import INCOMPATIBLE
+from kvtransfer import INCOMPATIBLE, Fingerprint, reason_of
 
-from . import errors
-from .fingerprint import to_param
-from .prefill_client import PrefillClient, Refused
-from .request import StageRequest
-from .router_identity import RouterIdentity, ServerState
+from .. import errors
+from ..fingerprint import to_param
+from ..request import StageRequest
+from .client import PrefillClient, Refused
+from .servers import PrefillServer, ServerState, identity_mismatch, resolve
 
-__all__ = ["NoPrefillServer", "PrefillRouter", "ServerState"]
+__all__ = ["LOCAL", "NoPrefillServer", "PrefillRouter"]
 
 log = logging.getLogger(__name__)
 
@@ -51,41 +49,8 @@ RESOLVE_EVERY = 10  # poll rounds between DNS look-ups of the prefill servers' h
 MAX_PENDING = 256  # requests waiting for a prefill server's answer (submit), all together
 
 
-def resolve(host: str) -> list[str]:
-    """An IP address as is; a host name -> its IPv4 addresses (sorted; none if unknown)."""
-    try:
-        ipaddress.ip_address(host)
-        return [host]
-    except ValueError:
-        pass
-    try:
-        return sorted(set(socket.gethostbyname_ex(host)[2]))
-    except OSError:
-        return []
-
-
 class NoPrefillServer(RuntimeError):
     """No prefill server took the request; the message names each one's reason."""
-
-
-@dataclass
-class PrefillServer:
-    client: PrefillClient
-    state: ServerState = ServerState.Up
-    reason: str = ""  # why it is down
-    queued: float = 0.0  # its queue metric at the last read
-    read_at: float = 0.0  # time.monotonic() of that read
-    outstanding: dict[int, tuple[int, float]] = field(default_factory=dict)  # room -> (tokens, t)
-    counters: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(("dispatched", "tokens", "refused", "lost"), 0)
-    )
-
-    @property
-    def name(self) -> str:
-        return self.client.name
-
-    def load(self) -> float:
-        return self.queued + sum(n for n, t in self.outstanding.values() if t >= self.read_at)
 
 
 class _EndOnce:
@@ -114,7 +79,7 @@ class _EndOnce:
             self.on_end(err)
 
 
-class PrefillRouter(RouterIdentity):
+class PrefillRouter:
     def __init__(
         self,
         servers: list[tuple[str, int, int]],
@@ -124,15 +89,16 @@ class PrefillRouter(RouterIdentity):
         client=PrefillClient,  # (host, grpc_port, metrics_port) -> client (tests pass fakes)
         local_max_tokens: int = 0,
         local_busy_tokens: int = 0,
-        fingerprint=None,  # ours (kvtransfer.identity.Fingerprint): prefill servers must match
+        fingerprint: Fingerprint | None = None,  # ours: prefill servers must match
     ):
-        self._init_identity(fingerprint)
+        self.fingerprint = fingerprint
+        self.refusals: dict[str, int] = {}  # servers found incompatible, by reason
+        self._was_ready: bool | None = None
         self.local_max_tokens, self.local_busy_tokens = local_max_tokens, local_busy_tokens
         if not servers and not (local_max_tokens or local_busy_tokens):
             raise ValueError("the router needs at least one prefill server (prefill_servers)")
-        self.route_timeout_s, self.probe_interval_s, self.name = (
-            route_timeout_s, probe_interval_s, name
-        )  # fmt: skip
+        self.route_timeout_s, self.probe_interval_s = route_timeout_s, probe_interval_s
+        self.name = name
         self.specs, self.client = list(servers), client
         self.servers: list[PrefillServer] = []
         self._lock = threading.Lock()
@@ -293,6 +259,15 @@ class PrefillRouter(RouterIdentity):
             s.state, s.reason = ServerState.Down, reason
         log.warning("%s: prefill server %s marked down: %s", self.name, s.name, reason)
 
+    def _mark_incompatible(self, s: PrefillServer, reason: str) -> None:
+        with self._lock:
+            if s.state == ServerState.Incompatible and s.reason == reason:
+                return
+            s.state, s.reason = ServerState.Incompatible, reason
+            label = reason_of(reason)
+            self.refusals[label] = self.refusals.get(label, 0) + 1
+        log.error("%s: prefill server %s is not routed to: %s", self.name, s.name, reason)
+
     def _poll_one(self, s: PrefillServer) -> None:
         timeout = max(self.route_timeout_s / 4, 0.2)
         if s.state != ServerState.Up and not s.client.ready(timeout):
@@ -303,7 +278,7 @@ class PrefillRouter(RouterIdentity):
         except Exception as e:
             self._mark_down(s, f"metrics unreachable: {e}")
             return
-        why = self._identity_mismatch(s)
+        why = identity_mismatch(self.fingerprint, s)
         if why is not None:
             self._mark_incompatible(s, why)
             return
@@ -351,6 +326,36 @@ class PrefillRouter(RouterIdentity):
                     log.exception("%s: polling %s failed", self.name, s.name)
             self._log_readiness()
 
+    # ---- readiness ---------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """Some prefill server takes requests, or this server may prefill them itself."""
+        with self._lock:
+            return self.local or any(s.state == ServerState.Up for s in self.servers)
+
+    def readiness(self) -> str:
+        """Each server's state and reason, for logs and errors."""
+        with self._lock:
+            return "; ".join(
+                f"{s.name}: {s.state.name.lower()}" + (f" ({s.reason})" if s.reason else "")
+                for s in self.servers
+            )
+
+    def _log_readiness(self) -> None:
+        ready = self.ready
+        if ready == self._was_ready:
+            return
+        self._was_ready = ready
+        if ready:
+            log.warning("%s: ready: a prefill server is up (%s)", self.name, self.readiness())
+        else:
+            log.error(
+                "%s: NOT READY: no compatible prefill server is up and local prefill is off (%s)",
+                self.name,
+                self.readiness(),
+            )
+
+    # ---- metrics -----------------------------------------------------------------------------
     def stats(self) -> dict:
         """Per-server state and counters (for metrics), plus the router's own counters."""
         with self._lock:

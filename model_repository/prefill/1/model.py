@@ -10,7 +10,7 @@ In the ensemble the answer is final: an open prefill step outliving a failed dec
 refused the request, or failed it while prefill computed) left the ensemble request in flight for
 good in Triton 2.51, whose ensemble ignores a step's closing flag once another step failed; a
 cancel reaches prefill through decode (its heartbeats, then its abort). A request forwarded by
-another server's router (backends/stages/prefill_client.py: ``HOLD_PARAM``) is held open until
+another server's router (backends/stages/router/client.py: ``HOLD_PARAM``) is held open until
 the worker is done with the room instead, so that a server dying mid-room breaks that call.
 """
 

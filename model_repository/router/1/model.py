@@ -4,7 +4,7 @@ Decoupled, like the prefill model it stands in for: each request is forwarded (o
 threads) and answered with the prefill server's answer, the request carrying its bootstrap
 address, as its one and final response. The router step never waits for the prefill server to
 finish the room: a server that hangs after its answer must not hold the client's request open;
-decode alone watches the room and re-dispatches it (backends/stages/decode_failover.py). No
+decode alone watches the room and re-dispatches it (backends/stages/decode/failover.py). No
 server left: the error names each one's reason.
 """
 
@@ -20,8 +20,7 @@ import triton_python_backend_utils as pb
 
 from backends.stages import triton_glue as g
 from backends.stages.fingerprint import stage_fingerprint
-from backends.stages.router import PrefillRouter
-from backends.stages.router_metrics import RouterMetrics
+from backends.stages.router import PrefillRouter, RouterMetrics
 
 FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 

@@ -2,12 +2,7 @@
 counts as clear (a CI soak failed on the first-token form), and a message without a cause does
 not."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-from soak_lib import classify  # noqa: E402
+from benchmarks.soak import classify
 
 
 def test_every_transfer_failure_form_is_clear():
