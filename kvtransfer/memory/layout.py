@@ -1,7 +1,9 @@
 """KV pool layouts and all address math (the one module that turns pages into bytes).
 
-A KV pool holds one or more *entries*: one entry per model whose KV travels (the target model and,
-with speculative decoding, the draft model). Each entry lives in ONE contiguous buffer so it is
+A KV pool holds one or more *entries*: the state of one model's layers of one kind (the target
+model and, with speculative decoding, the draft model). A model's full-attention layers are entry
+``target`` (or ``draft``); a hybrid model adds ``target.window`` (its sliding-window layers) and
+``target.state`` (its recurrent layers). Each entry lives in ONE contiguous buffer so it is
 registered with the transfer engine once:
 
 * GQA / MHA entry  (``attn == "gqa"``), buffer shape
@@ -9,6 +11,16 @@ registered with the transfer engine once:
   ``[pages, page_size, kv_heads, head_dim]``.
 * MLA entry (``attn == "mla"``), buffer shape ``[num_layers, num_pages, page_size, latent_dim]``
   with ``latent_dim = kv_lora_rank + rope_dim`` — the compressed latent as DeepSeek caches it.
+* A sliding-window entry (``window > 0``, GQA or MLA): the same buffer, but a sequence holds only
+  the pages its last ``window`` tokens reach, so a room moves (and decode holds) only the pages
+  of blocks ``[first, last]`` of :meth:`EntryLayout.pages_for`.
+* A state entry (``attn == "state"``): one fixed-size *slot* per sequence per layer (the conv and
+  recurrent state of a gated DeltaNet or Mamba2 layer), buffer shape
+  ``[num_layers, num_slots, slot_elems]``: the address math of a GQA entry with ``page_size = 1``,
+  one component, ``kv_heads = 1`` and ``head_dim = slot_elems`` (a slot is a "page" of one
+  "token"), and a room holds exactly one slot. ``segments`` are the slot's sub-blocks in order,
+  ``(heads, elems per head)`` each (e.g. a DeltaNet conv state's ``q``, ``k``, ``v`` channels, then
+  its recurrent state): each is contiguous and split by head between tensor-parallel ranks.
 
 A *component* is one ``[pages, page_size, ...]`` slab of one layer: GQA layers have two (K, V),
 MLA layers one. The bytes of page ``p`` of (layer, component) start at
@@ -42,8 +54,10 @@ from dataclasses import dataclass, field, replace
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 SCALED_DTYPES = ("float8_e4m3fn",)  # stored as value / 2 ** scale_log2[layer, component]
-ATTN_KINDS = ("gqa", "mla")
-ROLES = ("target", "draft")
+ATTN_KINDS = ("gqa", "mla", "state")
+MODELS = ("target", "draft")
+PARTS = ("window", "state")  # a hybrid model's other entries: ``target.window``, ``target.state``
+ROLES = MODELS + tuple(f"{m}.{p}" for m in MODELS for p in PARTS)
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,8 @@ class EntryLayout:
     head_start: int = 0  # first KV head held (tensor parallel)
     total_kv_heads: int = 0  # KV heads of the whole model (0: same as kv_heads)
     scale_log2: tuple[int, ...] = ()  # fp8: log2 of each (layer, component)'s scale
+    window: int = 0  # sliding window (tokens): only the window's pages move; 0: all
+    segments: tuple[tuple[int, int], ...] = ()  # state: (heads, elems per head) per sub-block
     base_addr: int = 0  # address of the entry's buffer (local)
 
     def __post_init__(self) -> None:
@@ -88,6 +104,19 @@ class EntryLayout:
                     f"MLA head_dim ({self.head_dim}) must equal kv_lora_rank ({self.kv_lora_rank})"
                     f" + rope_dim ({self.rope_dim}), with kv_lora_rank > 0"
                 )
+        object.__setattr__(self, "segments", tuple(tuple(x) for x in self.segments))
+        if self.attn == "state":
+            self._check_state()
+        elif self.segments:
+            raise ValueError("segments describe a state entry's slot only")
+        if (
+            not isinstance(self.window, int)
+            or self.window < 0
+            or (self.window and self.attn == "state")
+        ):
+            raise ValueError(
+                f"window must be an integer >= 0 (0 for a state entry), got {self.window!r}"
+            )
         if self.total_kv_heads and self.head_start + self.kv_heads > self.total_kv_heads:
             raise ValueError("head_start + kv_heads exceeds total_kv_heads")
         object.__setattr__(self, "scale_log2", tuple(self.scale_log2))  # a signature's list
@@ -98,6 +127,19 @@ class EntryLayout:
             raise ValueError(
                 f"scale_log2 must hold {want} integer exponents in [-64, 64] for a"
                 f" {self.dtype} entry of {self.num_layers} layers, got {self.scale_log2!r}"
+            )
+
+    def _check_state(self) -> None:
+        if self.page_size != 1 or self.kv_heads != 1:
+            raise ValueError("a state entry has page_size 1 and kv_heads 1 (a slot per sequence)")
+        elems = sum(h * e for h, e in self.segments)
+        if not self.segments or any(h < 1 or e < 1 for h, e in self.segments):
+            raise ValueError(
+                f"a state entry needs segments of >= 1 head and element, got {self.segments!r}"
+            )
+        if elems != self.head_dim:
+            raise ValueError(
+                f"segments hold {elems} elements, head_dim (slot elems) is {self.head_dim}"
             )
 
     # ---- sizes -------------------------------------------------------------------------------
@@ -135,10 +177,24 @@ class EntryLayout:
                 self.kv_heads,
                 self.head_dim,
             )
+        if self.attn == "state":
+            return (self.num_layers, self.num_pages, self.head_dim)
         return (self.num_layers, self.num_pages, self.page_size, self.head_dim)
 
     def bytes_per_token_all_layers(self) -> int:
         return self.num_layers * self.components * self.token_bytes
+
+    def pages_for(self, num_tokens: int) -> tuple[int, int]:
+        """(first block, page count) a sequence of ``num_tokens`` holds in this entry and a room
+        moves: every block of a full entry; the blocks its last ``window`` tokens reach in a
+        sliding-window entry; one slot in a state entry."""
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        if self.attn == "state":
+            return 0, 1
+        blocks = -(-num_tokens // self.page_size)
+        first = max(0, num_tokens - self.window) // self.page_size if self.window else 0
+        return first, blocks - first
 
     # ---- addresses ---------------------------------------------------------------------------
     def slab_addr(self, layer: int, component: int) -> int:
@@ -171,6 +227,8 @@ class EntryLayout:
             "head_start": self.head_start,
             "total_kv_heads": self.total_kv_heads or self.kv_heads,
             "scale_log2": list(self.scale_log2),
+            "window": self.window,
+            "segments": [list(x) for x in self.segments],
         }
 
     def with_pool(self, num_pages: int, base_addr: int) -> EntryLayout:

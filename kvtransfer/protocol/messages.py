@@ -41,6 +41,11 @@ Version history:
       last prompt position, float32) for a head's first draft; the fingerprint's ``draft`` names
       a head's kind, feature and draft vocabulary before its digest (``eagle v1 (feature
       final_norm, draft vocab N) <digest>``; a draft model: ``model <digest>``).
+  9 — hybrid models: an entry is a model's layers of one kind (roles ``target``,
+      ``target.window``, ``target.state``, and the same for ``draft``); a layout signature
+      names its ``window`` (a sliding-window entry: a room registers and moves only the pages
+      its last window reaches) and its ``segments`` (a state entry: the slot's sub-blocks; a
+      room registers one slot).
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ import msgspec
 
 from .identity import Fingerprint
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 Scalar = int | float | str
 SigValue = int | str | list[int]  # a layout signature's field (EntryLayout.signature)

@@ -428,7 +428,7 @@ class KVReceiver(ControlLoop):
         nbytes = 0  # what prefill will write: the prompt's pages of every entry
         for role in r.roles:
             lay = self.layouts[role]
-            pages = -(-r.num_tokens // lay.page_size)
+            pages = lay.pages_for(r.num_tokens)[1]
             nbytes += pages * lay.page_bytes * lay.components * lay.num_layers
         layers = range(0, max(self.layouts[x].num_layers for x in r.roles))
         r.stat = self.transfer_stats.group_submitted(r.room, "all", layers, nbytes, 0)

@@ -6,8 +6,9 @@ A Register is accepted only when, for every entry:
 * the entry exists here and its layout signature matches (same checks as the handshake);
 * decode's pool is well formed (``num_pages >= 1``, ``base_addr`` set) and every page id is in
   ``[0, num_pages)``, with no repeats;
-* it lists exactly the pages the prompt needs (``ceil(num_tokens / page_size)``), and
-  ``num_tokens`` is the prompt length this prefill expects for the room;
+* it lists exactly the pages the prompt needs (``EntryLayout.pages_for(num_tokens)``: every
+  block, the blocks the last window reaches, or one state slot), and ``num_tokens`` is the
+  prompt length this prefill expects for the room;
 
 and for the peer (:class:`PeerBook`):
 
@@ -81,7 +82,7 @@ def check_entries(
             raise RegistrationError(f"entry {entry.role}: bad layout ({e})") from None
         if entry.base_addr <= 0:
             raise RegistrationError(f"entry {entry.role}: no pool address")
-        _check_pages(entry, lay.page_size, reg.num_tokens)
+        _check_pages(entry, lay.pages_for(reg.num_tokens)[1], reg.num_tokens)
         dst[entry.role] = lay
     missing = [role for role in required or () if role not in dst]
     if missing:
@@ -155,8 +156,7 @@ def check_slots(reg: m.Register, dst: dict[str, EntryLayout], pieces: dict) -> N
                 )
 
 
-def _check_pages(entry: m.EntrySpec, page_size: int, num_tokens: int) -> None:
-    need = -(-num_tokens // page_size)
+def _check_pages(entry: m.EntrySpec, need: int, num_tokens: int) -> None:
     if len(entry.pages) != need:
         raise RegistrationError(
             f"entry {entry.role}: {len(entry.pages)} pages for {num_tokens} tokens (need {need})"

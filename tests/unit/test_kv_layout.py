@@ -158,3 +158,80 @@ def test_mean_copy_bytes_tells_contiguous_from_fragmented():
     )  # fmt: skip
     assert mean_copy_bytes(lay, list(range(10)), list(range(20, 30))) == 10 * lay.page_bytes
     assert mean_copy_bytes(lay, [1, 5, 9], [2, 3, 4]) == lay.page_bytes
+
+
+# ---- protocol 9: sliding-window and state entries ----------------------------------------------
+def state(**kw):
+    base = dict(
+        role="target.state",
+        attn="state",
+        dtype="float32",
+        page_size=1,
+        num_layers=3,
+        num_pages=6,  # slots
+        head_dim=2 * 4 * 3 + 2 * 8,  # q, k conv channels (2 heads x 4 x 3 taps) + 2 x 8 state
+        segments=[(2, 12), (2, 8)],
+    )
+    return EntryLayout(**{**base, **kw})
+
+
+def test_a_state_entry_is_one_slot_per_layer_and_sequence_with_numpy_indexing():
+    lay0 = state()
+    assert lay0.buffer_shape() == (3, 6, 40) and lay0.page_bytes == 160
+    assert lay0.pages_for(1) == (0, 1) and lay0.pages_for(10_000) == (0, 1)
+    buf = np.arange(np.prod(lay0.buffer_shape()), dtype=np.float32).reshape(3, 6, 40)
+    lay = lay0.with_pool(6, buf.ctypes.data)
+    for layer in range(3):
+        assert lay.page_addr(layer, 0, 4) == buf[layer, 4].ctypes.data
+    # a room's slot 4 moves into decode's slot 1: one copy per layer, the whole slot
+    dst = lay0.with_pool(6, 1 << 40)
+    xs = group_transfers(lay, dst, [4], [1], range(0, 3))
+    assert [(t.src, t.length) for t in xs] == [(buf[i, 4].ctypes.data, 160) for i in range(3)]
+    assert [t.dst for t in xs] == [dst.page_addr(i, 0, 1) for i in range(3)]
+
+
+@pytest.mark.parametrize(
+    "kw, why",
+    [
+        (dict(segments=[(2, 12), (2, 7)]), "segments hold 38 elements"),
+        (dict(segments=[]), "needs segments"),
+        (dict(page_size=2), "page_size 1"),
+        (dict(window=8), "window"),
+    ],
+)
+def test_a_malformed_state_entry_is_refused(kw, why):
+    with pytest.raises(ValueError, match=why):
+        state(**kw)
+
+
+def test_segments_belong_to_state_entries_only():
+    with pytest.raises(ValueError, match="state entry's slot only"):
+        gqa(segments=[(2, 8)])
+
+
+@pytest.mark.parametrize(
+    "tokens, window, want",
+    [
+        (1, 8, (0, 1)),  # page 4: a one-token prompt holds its first block
+        (8, 8, (0, 2)),
+        (9, 8, (0, 3)),  # tokens 1..8 reach block 0
+        (12, 8, (1, 2)),  # tokens 4..11: blocks 1, 2
+        (13, 8, (1, 3)),
+        (40, 8, (8, 2)),  # tokens 32..39
+        (41, 8, (8, 3)),
+        (40, 0, (0, 10)),  # no window: every block
+    ],
+)
+def test_a_window_entry_holds_the_blocks_its_last_window_reaches(tokens, window, want):
+    lay = gqa(window=window, role="target.window")
+    assert lay.pages_for(tokens) == want
+    first, n = want
+    last_tokens = range(max(0, tokens - window) if window else 0, tokens)
+    assert {t // lay.page_size for t in last_tokens} == set(range(first, first + n))
+
+
+def test_window_and_segments_are_part_of_the_signature():
+    a, b = gqa(window=8, role="target.window"), gqa(window=16, role="target.window")
+    assert "window differs" in check_compatible(a, b.signature())
+    s1, s2 = state(), state(segments=[(4, 6), (2, 8)])
+    assert "segments differs" in check_compatible(s1, s2.signature())
