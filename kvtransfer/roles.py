@@ -68,8 +68,10 @@ class Receiver(Protocol):
         on_release: ReleaseCallback,
         on_fail: Callable[[int, str], None] | None = None,
         on_first: Callable[[int, int], None] | None = None,
+        first: dict[str, int] | None = None,
     ) -> None:
-        """Register the prompt's pages of every entry with the prefill(s) at those addresses."""
+        """Register the prompt's pages of every entry, from block ``first[role]`` on (decode
+        holds the blocks before it), with the prefill(s) at those addresses."""
 
     def refuse(self, room: int, bootstrap_addrs: list[str], reason: str) -> None:
         """Tell prefill this room will never be registered (decode refused the request)."""

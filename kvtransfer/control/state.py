@@ -77,6 +77,10 @@ class Claim:
     def dst_pages(self, role: str) -> list[int]:
         return next(e.pages for e in self.reg.entries if e.role == role)
 
+    def first(self, role: str) -> int:
+        """The first block of entry ``role`` decode registered a page for."""
+        return next(e.first for e in self.reg.entries if e.role == role)
+
     def rank_heads(self, role: str, rank: int) -> int:
         """How many KV heads of entry ``role`` decode rank ``rank`` holds."""
         return self.dst[role].kv_heads if rank == 0 else self.reg.ranks[rank - 1].heads[role][1]
@@ -86,7 +90,9 @@ class Claim:
 class SenderRoom(Room):
     num_tokens: int | None = None  # the prompt length, when the stage said it (expect)
     on_registered: Callable[[int], None] | None = None
-    src_pages: dict[str, list[int]] | None = None  # role -> prefill's pages, from start_room
+    # role -> prefill's pages, from start_room: every block of the prompt, then (once the claim
+    # says which blocks decode lacks) only the blocks that move
+    src_pages: dict[str, list[int]] | None = None
     claim: Claim | None = None  # set once decode's Register for the room is claimed
     queued: list[tuple] = field(default_factory=list)  # (role, layers, fence) before the claim
     outstanding: int = 0  # groups whose writes are in flight

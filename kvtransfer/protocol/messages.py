@@ -45,7 +45,9 @@ Version history:
       ``target.window``, ``target.state``, and the same for ``draft``); a layout signature
       names its ``window`` (a sliding-window entry: a room registers and moves only the pages
       its last window reaches) and its ``segments`` (a state entry: the slot's sub-blocks; a
-      room registers one slot).
+      room registers one slot); an entry of a Register names the ``first`` block it lists
+      pages from (decode's prefix cache holds the blocks before it: prefill sends only the
+      rest; a full hit moves no KV byte).
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ class EntrySpec(msgspec.Struct, frozen=True):
     pages: list[int]  # destination page ids, position i receives prefill's i-th page
     base_addr: int  # decode's buffer address of this entry
     num_pages: int  # pages in decode's pool for this entry
+    # the block of the prompt ``pages[0]`` holds: blocks before it decode already has (its prefix
+    # cache) or never holds (before a sliding window); prefill sends blocks [first, ...) only
+    first: int = 0
 
 
 class RankDest(msgspec.Struct, frozen=True):

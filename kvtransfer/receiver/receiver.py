@@ -113,12 +113,15 @@ class KVReceiver(ControlLoop):
         on_release: ReleaseCallback,
         on_fail=None,
         on_first=None,
+        first: dict[str, int] | None = None,
     ) -> None:
-        """Register the prompt's pages of every entry (``dst_pages``: role -> page ids).
-        ``on_fail(room, reason)`` runs as soon as the room fails; ``on_release(room, status)``
-        when its pages may be reused (later, while they are quarantined); ``on_first(room,
-        token)`` when prefill sent the first token (before the KV landed). All on the control
-        thread."""
+        """Register the prompt's pages of every entry (``dst_pages``: role -> page ids of the
+        blocks from ``first[role]`` on, default 0: every block, or those a sliding window
+        reaches, or the one state slot; the blocks before ``first`` decode already holds, so
+        prefill sends none of them). ``on_fail(room, reason)`` runs as soon as the room fails;
+        ``on_release(room, status)`` when its pages may be reused (later, while they are
+        quarantined); ``on_first(room, token)`` when prefill sent the first token (before the KV
+        landed). All on the control thread."""
         if not bootstrap_addrs:
             raise ValueError(f"room {room}: no prefill bootstrap address")
         addrs = [check_address(a) for a in bootstrap_addrs]
@@ -132,9 +135,9 @@ class KVReceiver(ControlLoop):
             bad = [p for p in pages if not 0 <= p < lay.num_pages]
             if bad:
                 raise ValueError(f"room {room}: {role} pages {bad[:4]} outside the pool")
-            entries.append(
-                m.EntrySpec(role, lay.signature(), list(pages), lay.base_addr, lay.num_pages)
-            )
+            block = (first or {}).get(role, 0)
+            sig = lay.signature()
+            entries.append(m.EntrySpec(role, sig, list(pages), lay.base_addr, lay.num_pages, block))
         reg = m.Register(
             room,
             self.session_id,
@@ -428,8 +431,7 @@ class KVReceiver(ControlLoop):
         nbytes = 0  # what prefill will write: the prompt's pages of every entry
         for role in r.roles:
             lay = self.layouts[role]
-            pages = lay.pages_for(r.num_tokens)[1]
-            nbytes += pages * lay.page_bytes * lay.components * lay.num_layers
+            nbytes += len(r.pages[role]) * lay.page_bytes * lay.components * lay.num_layers
         layers = range(0, max(self.layouts[x].num_layers for x in r.roles))
         r.stat = self.transfer_stats.group_submitted(r.room, "all", layers, nbytes, 0)
 

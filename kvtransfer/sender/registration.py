@@ -82,7 +82,7 @@ def check_entries(
             raise RegistrationError(f"entry {entry.role}: bad layout ({e})") from None
         if entry.base_addr <= 0:
             raise RegistrationError(f"entry {entry.role}: no pool address")
-        _check_pages(entry, lay.pages_for(reg.num_tokens)[1], reg.num_tokens)
+        _check_pages(entry, lay, reg.num_tokens)
         dst[entry.role] = lay
     missing = [role for role in required or () if role not in dst]
     if missing:
@@ -156,10 +156,19 @@ def check_slots(reg: m.Register, dst: dict[str, EntryLayout], pieces: dict) -> N
                 )
 
 
-def _check_pages(entry: m.EntrySpec, need: int, num_tokens: int) -> None:
+def _check_pages(entry: m.EntrySpec, lay: EntryLayout, num_tokens: int) -> None:
+    first, n = lay.pages_for(num_tokens)
+    # decode may hold (cache) only whole blocks of the prompt, and never a state
+    last = first if lay.attn == "state" else min(first + n, num_tokens // lay.page_size)
+    if not first <= entry.first <= max(first, last):
+        raise RegistrationError(
+            f"entry {entry.role}: first block {entry.first} outside [{first}, {max(first, last)}]"
+        )
+    need = first + n - entry.first
     if len(entry.pages) != need:
         raise RegistrationError(
-            f"entry {entry.role}: {len(entry.pages)} pages for {num_tokens} tokens (need {need})"
+            f"entry {entry.role}: {len(entry.pages)} pages from block {entry.first} for"
+            f" {num_tokens} tokens (need {need})"
         )
     bad = [p for p in entry.pages if not 0 <= p < entry.num_pages]
     if bad:

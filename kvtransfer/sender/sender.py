@@ -217,16 +217,18 @@ class KVSender(ControlLoop):
             r.on_release = on_release
         r.deadline = time.monotonic() + self.config.transfer_timeout_s
         if r.claim is not None:
-            self._check_page_counts(r)
+            self._pair_pages(r)
 
-    def _check_page_counts(self, r: SenderRoom) -> bool:
+    def _pair_pages(self, r: SenderRoom) -> bool:
+        """Keep of each entry's pages (every block of the prompt) the blocks decode registered
+        pages for (from its ``first``); fail the room unless the counts are equal."""
         for role, src in (r.src_pages or {}).items():
-            if len(r.claim.dst_pages(role)) != len(src):
-                n = len(r.claim.dst_pages(role))
-                self._fail(
-                    r.room, f"bad page table: decode gave {n} {role} pages for {len(src)}", True
-                )
+            n, first = len(r.claim.dst_pages(role)), r.claim.first(role)
+            if len(src) - first != n:
+                why = f"decode gave {n} {role} pages from block {first} for {len(src)} blocks"
+                self._fail(r.room, f"bad page table: {why}", True)
                 return False
+            r.src_pages[role] = src[first:]
         return True
 
     def _claim(self, r: SenderRoom, ident: bytes, reg: m.Register) -> None:
@@ -246,7 +248,7 @@ class KVSender(ControlLoop):
             self._fail(r.room, str(e), True)
             return
         r.claim = Claim(ident, reg, dst, pieces)
-        if r.src_pages is not None and not self._check_page_counts(r):
+        if r.src_pages is not None and not self._pair_pages(r):
             return
         self.send(
             self.router, m.Ack(r.room, {k: v.signature() for k, v in self.layouts.items()}), ident

@@ -139,10 +139,11 @@ class Peer:
         for role, pages in self.pages.pop(room, {}).items():
             self.alloc[role].release(pages)
 
-    def digest(self, room: int, role: str, n_pages: int | None = None) -> str:
-        """sha256 over the room's pages of every (layer, component), in page-list order."""
+    def digest(self, room: int, role: str, n_pages: int | None = None, start: int = 0) -> str:
+        """sha256 over the room's pages [start, n_pages) of every (layer, component), in
+        page-list order."""
         lay, buf = self.layouts[role], self.host(role)
-        pages = self.history[room][role][:n_pages]
+        pages = self.history[room][role][start:n_pages]
         h = hashlib.sha256()
         for layer in range(lay.num_layers):
             for comp in range(lay.components):
@@ -150,6 +151,17 @@ class Peer:
                     off = lay.page_addr(layer, comp, p) - lay.base_addr
                     h.update(buf[off : off + lay.page_bytes].tobytes())
         return h.hexdigest()
+
+    def pages_zero(self, room: int, role: str, start: int, stop: int) -> bool:
+        """Every byte of the room's pages [start, stop) is still zero (nothing landed there)."""
+        lay, buf = self.layouts[role], self.host(role)
+        for p in self.history[room][role][start:stop]:
+            for layer in range(lay.num_layers):
+                for comp in range(lay.components):
+                    off = lay.page_addr(layer, comp, p) - lay.base_addr
+                    if buf[off : off + lay.page_bytes].any():
+                        return False
+        return True
 
     def session_id(self) -> str:
         return self.kv.engine.session_id
@@ -270,17 +282,23 @@ class Peer:
         num_tokens: int,
         watch: list | None = None,
         watch_pages: dict | None = None,
+        first: dict | None = None,
     ) -> None:
         """Register the room; ``watch`` = [(role, a, b)]: record when those layers' bytes land
-        in the first ``watch_pages[role]`` pages."""
+        in the first ``watch_pages[role]`` pages. ``first`` (role -> block): decode holds the
+        blocks before it (a cached prefix) and registers pages from there on."""
         self.expect_pages[room] = {
             role: -(-num_tokens // self.layouts[role].page_size) for role in self.pages[room]
         }
         if watch:
             args = (room, watch, watch_pages or {})
             threading.Thread(target=self._watch, args=args, daemon=True).start()
-        prompt = {role: self.pages[room][role][:n] for role, n in self.expect_pages[room].items()}
-        self.kv.register(room, addrs, prompt, num_tokens, self._on_release)
+        first = first or {}
+        prompt = {
+            role: self.pages[room][role][first.get(role, 0) : n]
+            for role, n in self.expect_pages[room].items()
+        }
+        self.kv.register(room, addrs, prompt, num_tokens, self._on_release, first=first)
 
     def _watch(self, room: int, groups: list, npages: dict) -> None:
         out = self.landed.setdefault(room, [])

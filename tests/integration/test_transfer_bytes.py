@@ -141,3 +141,26 @@ def test_fp8_pools_byte_exact_and_half_of_bfloat16(spawn):
         a, b = (EntryLayout(role="target", page_size=16, num_pages=1, **LAYOUTS[k])
                 for k in (fp8, bf16))  # fmt: skip
         assert 2 * a.bytes_per_token_all_layers() == b.bytes_per_token_all_layers()
+
+
+@pytest.mark.parametrize("tokens, cached", [(300, 12), (320, 20)])  # a prefix hit; a full hit
+def test_only_the_blocks_after_decode_s_cached_prefix_move(spawn, tokens, cached):
+    """Decode holds the first ``cached`` blocks (its prefix cache) and registers pages for the
+    rest only (protocol 9 ``first``): prefill sends exactly those blocks, byte-exact, and not one
+    byte lands in the pages of the cached blocks; a full hit moves no KV byte at all."""
+    entries = {"target": ("gqa", 16, 64)}
+    prefill, decode = spawn("prefill", entries, seed=3), spawn("decode", entries, seed=3)
+    need = {"target": math.ceil(tokens / 16)}
+    prefill.alloc_pages(21, need, True)
+    decode.alloc_pages(21, need, True)
+    decode.register(21, [prefill.info["bootstrap_addr"]], tokens, first={"target": cached})
+    prefill.start_room(21)
+    prefill.run_prefill(21, [("target", 0, 2), ("target", 2, 4)], 0.0, 0.0, 77, None)
+    assert tuple(decode.wait(21, 60)) == ("Success", "")
+    assert tuple(decode.result(21)) == (77, {})
+    n = need["target"]
+    assert decode.digest(21, "target", n, cached) == prefill.digest(21, "target", n, cached)
+    assert decode.pages_zero(21, "target", 0, cached)  # the cached blocks' pages: untouched
+    sent = prefill.stats()["bytes"]
+    lay_bytes = 4 * 2 * 16 * 2 * 32 * 2  # layers x (K, V) x tokens x heads x dim x bfloat16
+    assert sent == (n - cached) * lay_bytes
