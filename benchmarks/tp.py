@@ -4,7 +4,7 @@ prompt of ``--context`` tokens) and a prefill, median of ``--reps`` in ms, per `
 Each size runs in the same process one after the other; rank 0 and every worker get
 ``cores // size`` torch threads (at least 1), as ``scripts/generate.py`` gives them.
 
-    .venv/bin/python -m benchmarks.tp --sizes 1 3 --batch 1 8 --json
+    .venv/bin/python -m benchmarks.tp --sizes 1 3 --batch 1 8 --json  # one object, a row a size
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 
 from backends.runtime.loader import load_runner
 from backends.runtime.paged import SeqInput
-from benchmarks.common import median_ms
+from benchmarks.common import command_line, log, median_ms
 
 
 def bench(args, size: int) -> dict:
@@ -52,9 +52,19 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    rows = []
     for size in args.sizes:
-        res = bench(args, size)
-        print(json.dumps(res) if args.json else "  ".join(f"{k}={v:.1f}" for k, v in res.items()))
+        rows.append(bench(args, size))
+        log("  ".join(f"{k}={v:.1f}" for k, v in rows[-1].items()))
+    if args.json:
+        meta = {
+            "command": command_line("benchmarks.tp", argv),
+            "cpus": os.cpu_count(),
+            "load_avg": os.getloadavg(),
+            "context": args.context,
+            "reps": args.reps,
+        }
+        print(json.dumps({"meta": meta, "rows": rows}))
     return 0
 
 

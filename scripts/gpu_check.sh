@@ -17,7 +17,9 @@
 #    are two: --prefill-gpus 0 --decode-gpus 1; else both on GPU 0), greedy == transformers;
 # 4. benchmarks on CUDA (python -m benchmarks.NAME; the checks are named bench_NAME): TTFT
 #    colocated / serial / pipelined (ttft --quick), KV transfer vs raw Mooncake (transfer), decode
-#    tok/s vs transformers (runtime), the Triton prefill attention vs SDPA (triton_attn).
+#    tok/s vs transformers (runtime), the Triton prefill attention vs SDPA (triton_attn); last,
+#    8B shapes against the copy bandwidth and matmul peak beside transformers (gpu_roofline,
+#    about 8 minutes, its JSON in DIR/gpu_roofline.json; the product's default attention, auto).
 # Steps 2-3 and the transfer/TTFT benchmarks need Mooncake and tritonserver: without them they are
 # listed as SKIPPED with the reason. PD_PYTHON: a Python with CUDA torch other than .venv's.
 # Writes logs and JSON to DIR (default bench_out/gpu) and prints a summary table at the end.
@@ -102,6 +104,8 @@ run bench_runtime_fp16 "$VPY" -m benchmarks.runtime --device cuda --runs 3 \
 run bench_runtime_eager env PD_RUNTIME_CUDA_GRAPHS=0 "$VPY" -m benchmarks.runtime \
   --device cuda --runs 3 --json
 run bench_triton_attn "$VPY" -m benchmarks.triton_attn --json
+ROOF=(--json --out "$OUT/gpu_roofline.json"); [ "$QUICK" = 1 ] && ROOF+=(--quick)
+run bench_gpu_roofline env PD_RUNTIME_ATTENTION=auto "$VPY" -m benchmarks.gpu_roofline "${ROOF[@]}"
 
 step "summary"
 printf '%s\n' "${STATUS[@]}"
@@ -126,6 +130,12 @@ if s:
     keys = [k for k in ("exposed_fraction_pipelined", "groups", "first_token_over_colocated",
                         "short_prompt_pipelined_over_serial") if k in s]
     print("TTFT:", ", ".join(f"{k} {s[k]}" for k in keys), "| ttft_ms", s.get("ttft_ms"))
+g = last_json("bench_gpu_roofline")
+for name, sh in (g or {}).get("shapes", {}).items():
+    keys = ("decode_b1_roofline_fraction", "prefill_8x2048_peak_fraction",
+            "decode_b1_over_transformers", "decode_b32_over_transformers",
+            "fp8_kv_over_bfloat16", "kvtransfer_over_d2h")
+    print(f"gpu_roofline {name} on {sh['device']}: " + ", ".join(f"{k} {sh.get(k)}" for k in keys))
 for log, what in (("bench_runtime", "triton attention"), ("bench_runtime_sdpa", "gather + SDPA"),
                   ("bench_runtime_fp16", "float16, triton attention"),
                   ("bench_runtime_eager", "CUDA graphs off")):

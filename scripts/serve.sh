@@ -7,7 +7,7 @@
 #                    [--draft DIR | --draft-layers K] [--spec-tokens N]
 #                    [--prefill-gpus 0,1] [--decode-gpus 2,3]
 #                    [--role all|prefill|decode] [--prefill-servers HOST:GRPC_PORT[,...]]
-#                    [--openai-port 9000 | --no-openai]
+#                    [--openai-port 9000 | --no-openai] [--openai-host ADDR] [--api-key-file FILE]
 #                    [--foreground] [--log FILE] [--stop] [--stop-timeout 30] [--no-supervise]
 #
 # tritonserver: the one on PATH (NGC image: /opt/tritonserver/bin), else the binary of the
@@ -19,7 +19,9 @@
 # --bootstrap-host: address the stages' KV control and data planes bind to (default loopback).
 # Shared secret (HMAC on every control message): --secret-file (created, mode 600, if missing;
 # give every server of a deployment the same file) or $PD_SHARED_SECRET; else a random one per
-# start. --model CKPT / --set (--set-file: one per line) / --draft* / --*-gpus write a tuned copy
+# start. A secret that is weak (under 16 characters, under 8 different ones, a repeated piece, or
+# the placeholder deploy/kubernetes/secret.yaml ships) is refused: `openssl rand -hex 32` makes one.
+# --model CKPT / --set (--set-file: one per line) / --draft* / --*-gpus write a tuned copy
 # of the repository
 # (scripts/make_repo.py). Speculative decoding: --draft DIR (a draft checkpoint sharing the
 # target's vocabulary), --draft-layers K (self-draft), --spec-tokens N. --prefill-gpus /
@@ -39,6 +41,11 @@
 # Every server that serves the ensemble (roles all and decode) also gets the OpenAI-compatible
 # API (python -m backends.openai: /v1/chat/completions, /v1/completions, /v1/models, /health) on
 # --host:--openai-port (default 9000; its log: .run/openai-HTTP_PORT.log); --no-openai: none.
+# --openai-host ADDR (or $PD_OPENAI_HOST): the front's address when it differs from --host.
+# --api-key-file FILE (or $PD_API_KEY_FILE; $PD_API_KEY adds one key): the front's API keys, one
+# a line; every /v1 route then needs 'Authorization: Bearer KEY' (/health stays open). A front
+# on an address other than loopback needs a key: without one serve.sh refuses to start
+# ($PD_INSECURE_NO_API_KEY=1 allows it, e.g. behind an authenticating proxy).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 HTTP=8000 GRPC=8001 METRICS=8002 FOREGROUND=0 STOP=0 CKPT="" REPO="$ROOT/model_repository"
@@ -46,6 +53,7 @@ HOST=127.0.0.1 SECRET_FILE="" STOP_TIMEOUT="${PD_STOP_TIMEOUT:-30}" SUPERVISE=1
 RUN_DIR="${PD_RUN_DIR:-$ROOT/.run}"
 LOG="" TIMEOUT="${PD_SERVE_TIMEOUT:-300}"
 SETS=() PLACE=() ROLE=all OPENAI_PORT=9000 OPENAI=1
+OPENAI_HOST="${PD_OPENAI_HOST:-}" API_KEY_FILE="${PD_API_KEY_FILE:-}"
 die() { echo "serve.sh: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -80,11 +88,13 @@ while [ $# -gt 0 ]; do
       PLACE+=("$1" "$2"); shift 2 ;;
     --openai-port) OPENAI_PORT="$2"; shift 2 ;;
     --no-openai) OPENAI=0; shift ;;
+    --openai-host) OPENAI_HOST="$2"; shift 2 ;;
+    --api-key-file) API_KEY_FILE="$2"; shift 2 ;;
     --foreground) FOREGROUND=1; shift ;;
     --stop) STOP=1; shift ;;
     --stop-timeout) STOP_TIMEOUT="$2"; shift 2 ;;
     --no-supervise) SUPERVISE=0; shift ;;
-    -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,48p' "$0"; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
@@ -132,13 +142,24 @@ else
 fi
 # the secret first: make_repo checks that a non-loopback bootstrap_host has one
 new_secret() { "$PY" -c 'import secrets; print(secrets.token_hex(32))'; }
+# the deployment secrets' strength rule (backends/stages/keys.py; the stages check it too)
+weak_secret() { printf %s "$PD_SHARED_SECRET" | PYTHONPATH="$ROOT" "$PY" -m backends.stages.keys "$1"; }
 if [ -n "$SECRET_FILE" ]; then
   [ -s "$SECRET_FILE" ] || (umask 077; mkdir -p "$(dirname "$SECRET_FILE")"; new_secret >"$SECRET_FILE")
   PD_SHARED_SECRET="$(tr -d '[:space:]' <"$SECRET_FILE")"
-elif [ -z "${PD_SHARED_SECRET:-}" ]; then
+  weak_secret "serve.sh: the shared secret in $SECRET_FILE" || exit 2
+elif [ -n "${PD_SHARED_SECRET:-}" ]; then
+  weak_secret "serve.sh: the shared secret in \$PD_SHARED_SECRET" || exit 2
+else
   PD_SHARED_SECRET="$(new_secret)"  # this server's stages only: HMAC on by default
 fi
 export PD_SHARED_SECRET
+# the OpenAI front's keys and address, checked before the server starts (it would refuse later)
+OPENAI_HOST="${OPENAI_HOST:-$HOST}" OAI_ARGS=(--host "$OPENAI_HOST")
+[ -n "$API_KEY_FILE" ] && OAI_ARGS+=(--api-key-file "$API_KEY_FILE")
+if [ "$OPENAI" = 1 ] && [ "$ROLE" != prefill ]; then
+  PYTHONPATH="$ROOT" "$PY" -m backends.openai "${OAI_ARGS[@]}" --check-config || exit 2
+fi
 if [ -n "$CKPT" ] || [ ${#SETS[@]} -gt 0 ] || [ ${#PLACE[@]} -gt 0 ] || [ "$ROLE" != all ]; then
   OUT="$RUN_DIR/model_repository-$HTTP"
   MR=("$ROOT/scripts/make_repo.py" --src "$REPO" --out "$OUT" --role "$ROLE")
@@ -149,6 +170,7 @@ fi
 # the models of this role that the repository has (a role-all server never loads the router)
 MODELS=()
 for d in "$REPO"/*/config.pbtxt; do
+  [ -f "$d" ] || continue  # no match: the pattern itself
   m="$(basename "$(dirname "$d")")"
   [ "$ROLE" = all ] && [ "$m" = router ] && continue
   MODELS+=("$m")
@@ -179,22 +201,26 @@ ARGS=(--model-repository "$REPO" --backend-directory "$BACKEND_DIR"
 # checkpoint directory's
 start_openai() {
   [ "$OPENAI" = 1 ] && [ "$ROLE" != prefill ] || return 0
-  local dir name
-  dir="$(sed -n 's/.*key: *"model_dir" *value: *{ *string_value: *"\([^"]*\)".*/\1/p' \
-    "$REPO/preprocess/config.pbtxt" | head -1)"
+  local dir name ctx probe="$OPENAI_HOST"
+  param() {
+    sed -n "s/.*key: *\"$1\" *value: *{ *string_value: *\"\([^\"]*\)\".*/\1/p" \
+      "$REPO/preprocess/config.pbtxt" | head -1
+  }
+  dir="$(param model_dir)" ctx="$(param max_context)"
   name="$(basename "${dir:-smollm2-135m-instruct}")"
-  setsid "$PY" -m backends.openai --host "$HOST" --port "$OPENAI_PORT" --grpc-url "$HOST:$GRPC" \
-    --model-name "$name" --model-name ensemble --server-pid "$1" \
+  [ "$probe" = 0.0.0.0 ] && probe=127.0.0.1
+  setsid "$PY" -m backends.openai "${OAI_ARGS[@]}" --port "$OPENAI_PORT" --grpc-url "$HOST:$GRPC" \
+    --model-name "$name" --model-name ensemble --server-pid "$1" ${ctx:+--max-context "$ctx"} \
     >>"$RUN_DIR/openai-$HTTP.log" 2>&1 </dev/null &
   echo $! >"$OAIFILE"
-  for _ in $(seq 1 60); do
-    curl -sf "http://$HOST:$OPENAI_PORT/v1/models" >/dev/null 2>&1 && return 0
+  for _ in $(seq 1 60); do  # any answer (/health is open): it listens
+    curl -s -o /dev/null "http://$probe:$OPENAI_PORT/health" 2>/dev/null && return 0
     kill -0 "$(cat "$OAIFILE")" 2>/dev/null || break
     sleep 0.25
   done
   kill "$(cat "$OAIFILE")" 2>/dev/null || true
   rm -f "$OAIFILE"
-  echo "[serve] the OpenAI front did not start on $HOST:$OPENAI_PORT (port in use? pick another with" \
+  echo "[serve] the OpenAI front did not start on $OPENAI_HOST:$OPENAI_PORT (port in use? pick another with" \
     "--openai-port, or --no-openai); last lines of $RUN_DIR/openai-$HTTP.log:" >&2
   tail -n 5 "$RUN_DIR/openai-$HTTP.log" >&2
   return 1
@@ -244,7 +270,7 @@ for i in $(seq 1 "$TIMEOUT"); do
     start_supervisor "$PID" "$LOG" || { stop_server "$PID"; rm -f "$PIDFILE"; exit 1; }
     echo "[serve] HTTP    http://$HOST:$HTTP  (POST /v2/models/ensemble/generate[_stream])"
     echo "[serve] gRPC    $HOST:$GRPC"
-    [ -f "$OAIFILE" ] && echo "[serve] OpenAI  http://$HOST:$OPENAI_PORT/v1  (chat/completions, completions, models)"
+    [ -f "$OAIFILE" ] && echo "[serve] OpenAI  http://$OPENAI_HOST:$OPENAI_PORT/v1  (chat/completions, completions, models)"
     echo "[serve] metrics http://$HOST:$METRICS/metrics"
     echo "[serve] log     $LOG   stop: scripts/serve.sh --stop --http-port $HTTP"
     echo "[serve] admin   header pd-admin-key: \$(cat $KEYFILE)  (model load/unload, shm, trace, logging)"

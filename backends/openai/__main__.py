@@ -1,15 +1,19 @@
-"""``python -m backends.openai --port 9000 --grpc-url 127.0.0.1:8001 --model-name NAME``."""
+"""``python -m backends.openai --port 9000 --grpc-url 127.0.0.1:8001 --model-name NAME``
+(``--api-key-file FILE`` for API keys: required when ``--host`` is not loopback)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import threading
 import time
 
 import uvicorn
 
 from .app import create_app
+from .auth import NO_KEY_ENV, check_binding, load_keys
+from .limits import body_limit
 
 
 def main() -> None:
@@ -38,11 +42,47 @@ def main() -> None:
         default=0,
         help="exit when this process (the tritonserver) is gone",
     )
+    ap.add_argument(
+        "--api-key-file",
+        default=None,
+        help="API keys, one a line (default: $PD_API_KEY_FILE; $PD_API_KEY adds one); clients"
+        " send 'Authorization: Bearer KEY' on every /v1 route",
+    )
+    ap.add_argument(
+        "--insecure-no-api-key",
+        action="store_true",
+        default=os.environ.get(NO_KEY_ENV, "") == "1",
+        help=f"serve a non-loopback --host without an API key (${NO_KEY_ENV}=1)",
+    )
+    ap.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=int(os.environ.get("PD_MAX_BODY_BYTES", "0")),
+        help="request body limit; past it a 413 before the body is parsed (default"
+        " $PD_MAX_BODY_BYTES, else 4 MiB or 64 bytes a --max-context token, the larger)",
+    )
+    ap.add_argument(
+        "--max-context", type=int, default=0, help="the server's max_context (the body limit)"
+    )
+    ap.add_argument(
+        "--check-config",
+        action="store_true",
+        help="check the API keys and the address, then exit (serve.sh does it before it starts)",
+    )
     a = ap.parse_args()
+    try:
+        keys = load_keys(a.api_key_file)
+        check_binding(a.host, keys, a.insecure_no_api_key)
+    except (OSError, ValueError) as e:
+        print(f"backends.openai: {e}", file=sys.stderr)
+        sys.exit(2)
+    if a.check_config:
+        return
     if a.server_pid:
         threading.Thread(target=_exit_with, args=(a.server_pid,), daemon=True).start()
     names = tuple(a.model_name) or (os.path.basename(a.model_dir.rstrip("/")), a.ensemble)
-    app = create_app(a.grpc_url, names, a.ensemble, a.max_inflight)
+    limit = body_limit(a.max_body_bytes, a.max_context)
+    app = create_app(a.grpc_url, names, a.ensemble, a.max_inflight, keys, limit)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning", access_log=False)
 
 

@@ -1,30 +1,51 @@
 """The routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions``,
-``POST /v1/completions`` (streaming as server-sent events ending with ``data: [DONE]``)."""
+``POST /v1/completions`` (streaming as server-sent events ending with ``data: [DONE]``).
+
+Every ``/v1`` route checks the API key (:mod:`.auth`) before it reads the body, then reads the
+body within its limits (:mod:`.limits`). Every failure is answered in OpenAI's error shape
+(:mod:`.errors`): an unknown route too, and any exception a route lets out (a 500, logged with
+its traceback). A stream that fails once it has begun sends the error as an event,
+``data: {"error": {...}}``, then ``data: [DONE]``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 
 import tritonclient.grpc.aio as aio
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 
 from . import protocol as p
-from .errors import APIError
+from .auth import APIKeys
+from .errors import APIError, internal, overloaded
+from .limits import body_limit, read_json
 from .session import Chunk, Session
 
 DISCONNECT_POLL_S = 0.25
+log = logging.getLogger(__name__)
 
 
 class Front:
-    def __init__(self, grpc_url: str, names: tuple[str, ...], ensemble: str, max_inflight: int):
+    def __init__(
+        self,
+        grpc_url: str,
+        names: tuple[str, ...],
+        ensemble: str,
+        max_inflight: int,
+        keys: APIKeys,
+        max_body_bytes: int,
+    ):
         self.grpc_url, self.names, self.ensemble = grpc_url, names, ensemble
         self.max_inflight, self.inflight = max_inflight, 0
+        self.keys, self.max_body_bytes = keys, max_body_bytes
         self.created = int(time.time())
         self.client: aio.InferenceServerClient | None = None
 
@@ -39,10 +60,9 @@ class Front:
     async def run(self, kind: str, req, inputs: dict, http: Request):
         """Answer one request (JSON, or an SSE stream)."""
         if self.inflight >= self.max_inflight:
-            raise APIError(503, f"overloaded, retry later: {self.inflight} requests in flight")
+            raise overloaded(f"overloaded, retry later: {self.inflight} requests in flight")
         self.inflight += 1
-        fields = tuple(req.model_fields_set)
-        session = Session(self.client, self.ensemble, inputs, fields)
+        session = Session(self.client, self.ensemble, inputs, p.fields_of(req), self.grpc_url)
         release = self._releaser(session)
         chunks = session.chunks()
         out = Answer(kind, req, self.names[0])
@@ -97,6 +117,9 @@ class Front:
                 yield _event({**out.head("chunk"), "choices": [], "usage": out.usage()})
         except APIError as e:
             yield _event(e.body())
+        except Exception as e:  # noqa: BLE001 - a stream always ends with an error event + [DONE]
+            log.exception("stream %s failed", out.id)
+            yield _event(internal(e).body())
         finally:
             release()
         yield "data: [DONE]\n\n"
@@ -129,7 +152,7 @@ class Answer:
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.text, self.ids, self.logprobs = "", [], []
-        self.finish_reason, self.prompt_tokens = None, 0
+        self.finish_reason, self.prompt_tokens, self.cached_tokens = None, 0, 0
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         # text_offset of the first generated token: after the echoed prompt
         echo = getattr(req, "echo", False) and isinstance(req.prompt, str)
@@ -139,7 +162,7 @@ class Answer:
         self.text += c.text
         self.ids += c.token_ids
         self.logprobs += c.logprobs or []
-        self.prompt_tokens = c.num_input_tokens
+        self.prompt_tokens, self.cached_tokens = c.num_input_tokens, c.num_cached_tokens
         self.finish_reason = c.finish_reason or None
 
     def usage(self) -> dict:
@@ -148,6 +171,7 @@ class Answer:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": n,
             "total_tokens": self.prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
     def head(self, suffix: str = "") -> dict:
@@ -211,10 +235,44 @@ def _lp(e: dict) -> dict:
     return {"token": tok, "logprob": e["logprob"], "bytes": list(tok.encode("utf-8"))}
 
 
+class OpenAIErrors:
+    """ASGI middleware: an exception a route lets out becomes a 500 in OpenAI's shape, logged
+    with its traceback, never Starlette's plain-text "Internal Server Error". (Once a response
+    has begun nothing can be sent: the connection just ends; streams catch their own.)"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def sending(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as e:  # noqa: BLE001 - every failure gets OpenAI's shape
+            log.exception("%s %s failed", scope.get("method"), scope.get("path"))
+            if not started:
+                await internal(e).response()(scope, receive, send)
+
+
 def create_app(
-    grpc_url: str, names: tuple[str, ...], ensemble: str = "ensemble", max_inflight: int = 4096
+    grpc_url: str,
+    names: tuple[str, ...],
+    ensemble: str = "ensemble",
+    max_inflight: int = 4096,
+    keys: tuple[bytes, ...] = (),
+    max_body_bytes: int = 0,
 ) -> FastAPI:
-    front = Front(grpc_url, names, ensemble, max_inflight)
+    """The front's app; ``keys``: API keys (none: no key needed); ``max_body_bytes``: the body
+    limit (0: :func:`.limits.body_limit`'s default)."""
+    limit = body_limit(max_body_bytes)
+    front = Front(grpc_url, names, ensemble, max_inflight, APIKeys(keys), limit)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -224,17 +282,28 @@ def create_app(
 
     app = FastAPI(title="pd-triton OpenAI-compatible API", lifespan=lifespan)
     app.state.front = front
+    app.add_middleware(OpenAIErrors)
 
     @app.exception_handler(APIError)
     async def _api_error(_request, e: APIError):
         return e.response()
 
+    @app.exception_handler(HTTPException)
+    async def _http_error(_request, e: HTTPException):  # unknown route, wrong method
+        return APIError(e.status_code, str(e.detail)).response()
+
     @app.get("/health")
     async def health():
         ok = await front.ready()
-        return JSONResponse({"status": "ok" if ok else "not ready"}, 200 if ok else 503)
+        body = {"status": "ok" if ok else "not ready", "requests_in_flight": front.inflight}
+        return JSONResponse(body, 200 if ok else 503)
 
-    @app.get("/v1/models")
+    async def authorized(http: Request) -> None:
+        front.keys.check(http.headers.get("authorization"))
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
+
+    @v1.get("/models")
     async def models():
         data = [
             {"id": n, "object": "model", "created": front.created, "owned_by": "pd-triton"}
@@ -242,22 +311,17 @@ def create_app(
         ]
         return {"object": "list", "data": data}
 
-    async def body(http: Request) -> dict:
-        try:
-            return await http.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not JSON: {e}") from None
-
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat(http: Request):
-        req = p.parse(p.ChatRequest, await body(http))
+        req = p.parse(p.ChatRequest, await read_json(http, front.max_body_bytes))
         p.check_model(req.model, names)
         return await front.run("chat", req, p.chat_inputs(req), http)
 
-    @app.post("/v1/completions")
+    @v1.post("/completions")
     async def completions(http: Request):
-        req = p.parse(p.CompletionRequest, await body(http))
+        req = p.parse(p.CompletionRequest, await read_json(http, front.max_body_bytes))
         p.check_model(req.model, names)
         return await front.run("completion", req, p.completion_inputs(req), http)
 
+    app.include_router(v1)
     return app

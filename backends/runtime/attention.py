@@ -1,6 +1,9 @@
 """Attention layers writing to and reading from a paged KV pool.
 
-* :class:`GQAAttention` (Llama/Mistral/Qwen2): caches roped K and V per KV head.
+* :class:`GQAAttention` (Llama/Mistral/Qwen2, and with a per-layer ``window`` and ``sinks``
+  gpt-oss): caches roped K and V per KV head;
+* :class:`QKNormAttention` (Qwen3, Gemma 3): the same with a norm over each head's q and k before
+  the rotation.
 * :class:`MLAAttention` (DeepSeek V2/V3): caches the latent ``[c_kv | k_pe]`` (``c_kv`` after
   ``kv_a_layernorm``, ``k_pe`` roped) and attends in latent space ("weight absorption"):
   ``q_nope`` is projected through the key half of ``kv_b_proj`` so scores are
@@ -40,41 +43,57 @@ def _project(o: Linear, x: torch.Tensor, residual, rows) -> torch.Tensor:
 
 
 def attend(
-    q, k_new, k_cache, meta, scale, kernels, v_new=None, v_cache=None, v_dim=None, kv_scales=None
+    q,
+    k_new,
+    k_cache,
+    meta,
+    scale,
+    kernels,
+    v_new=None,
+    v_cache=None,
+    v_dim=None,
+    kv_scales=None,
+    sinks=None,
 ):
     """Paged attention (see :func:`~backends.runtime.paged.paged_attention` for the shapes),
     through the runtime's kernels where one is chosen and available: on CUDA (``auto``) the
     Triton paged kernel for every kind but a lone prompt from position 0 (SDPA's flash kernel,
     see :func:`_flash_prefill`); on CPU the in-place decode kernel and the C++ prefill
-    kernel (``auto``). ``kv_scales``: (K, V) scales of an fp8 pool (MLA: one), else None."""
+    kernel (``auto``). ``kv_scales``: (K, V) scales of an fp8 pool (MLA: one), else None.
+    ``meta``: the batch as this layer sees it (its window: ``BatchMeta.for_window``);
+    ``sinks``: [H] float32 sink logits (gpt-oss), else None: every path takes them but SDPA's
+    flash prefill and the compiled decode kernel, which then do not run."""
     ks = kv_scales or (1.0, 1.0)
     on_triton = kernels.attention == "triton" or (
-        kernels.attention == "auto" and not _flash_prefill(q, meta)
+        kernels.attention == "auto" and (sinks is not None or not _flash_prefill(q, meta))
     )
     if q.device.type in cuda_attn.DEVICE_TYPES and on_triton:
         strict = kernels.attention == "triton"
-        out = cuda_attn.cuda_attention(q, k_cache, v_cache, v_dim, meta, scale, ks, strict)
+        out = cuda_attn.cuda_attention(
+            q, k_cache, v_cache, v_dim, meta, scale, ks, strict, sinks=sinks
+        )
         if out is not None:
             return out
     if kv_scales is not None and meta.kind == "prefill":  # as the fp8 pool holds them
         k_new, v_new = kv_quant.as_stored(k_new, ks[0]), kv_quant.as_stored(v_new, ks[-1])
     if meta.kind == "prefill" and kernels.attention == "auto":
-        out = cpu_prefill_attention(q, k_new, v_new, v_dim, meta, scale)
+        out = cpu_prefill_attention(q, k_new, v_new, v_dim, meta, scale, sinks)
         if out is not None:
             return out
     small_extend = meta.kind == "extend" and meta.max_q <= EXTEND_IN_PLACE_MAX_Q
     if small_extend and kernels.attention == "auto":
-        out = cpu_decode_attention(q, k_cache, v_cache, v_dim, meta, scale, ks)
+        out = cpu_decode_attention(q, k_cache, v_cache, v_dim, meta, scale, ks, sinks)
         if out is not None:
             return out
-    if meta.kind == "decode" and kernels.attention in ("auto", "compiled"):
-        if kernels.attention == "compiled":
-            out = decode_attention(q, k_cache, v_cache, v_dim, meta, scale)
-        else:
-            out = cpu_decode_attention(q, k_cache, v_cache, v_dim, meta, scale, ks)
+    if meta.kind == "decode" and kernels.attention == "auto":
+        out = cpu_decode_attention(q, k_cache, v_cache, v_dim, meta, scale, ks, sinks)
         if out is not None:
             return out
-    return paged_attention(q, k_new, k_cache, meta, scale, v_new, v_cache, v_dim, ks)
+    if meta.kind == "decode" and kernels.attention == "compiled" and sinks is None:  # no sinks
+        out = decode_attention(q, k_cache, v_cache, v_dim, meta, scale)
+        if out is not None:
+            return out
+    return paged_attention(q, k_new, k_cache, meta, scale, v_new, v_cache, v_dim, ks, sinks)
 
 
 def _flash_prefill(q, meta) -> bool:
@@ -87,6 +106,9 @@ def _flash_prefill(q, meta) -> bool:
 
 
 class GQAAttention:
+    """``window``: this layer's sliding window (None: full attention); ``sinks``: [H] sink
+    logits (gpt-oss's ``self_attn.sinks``), or None."""
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -94,8 +116,12 @@ class GQAAttention:
         prefix: str,
         rope: RotaryEmbedding,
         kernels: KernelSettings,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ):
         self.H, self.Hkv, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.window = window
+        self.sinks = None if sinks is None else sinks.float().contiguous()  # [H]
         q, k, v = (w.get(f"{prefix}.{n}_proj.weight") for n in ("q", "k", "v"))
         biases = [w.opt(f"{prefix}.{n}_proj.bias") for n in ("q", "k", "v")]
         qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None
@@ -117,7 +143,7 @@ class GQAAttention:
         the only rows of the output wanted, or None (every row's KV is written either way)."""
         T = x.shape[0]
         H, Hkv, D = self.H, self.Hkv, self.D
-        qkv = self.qkv(x)  # [T, (H + 2 Hkv) D]
+        qkv = self.qk_normed(self.qkv(x))  # [T, (H + 2 Hkv) D]
         k_cache = kv[0].view(-1, Hkv, D)  # [S, Hkv, D]
         v_cache = kv[1].view(-1, Hkv, D)
         v = qkv.view(T, H + 2 * Hkv, D)[:, H + Hkv :]  # [T, Hkv, D]
@@ -132,10 +158,32 @@ class GQAAttention:
             ks, vs = self.kv_scales or (None, None)
             write_kv(k_cache, meta, k, ks)
             write_kv(v_cache, meta, v, vs)
+        seen = meta.for_window(self.window)  # the batch as this layer's window sees it
+        ks = self.kv_scales
         out = attend(
-            q, k, k_cache, meta, self.scale, self.kernels, v, v_cache, kv_scales=self.kv_scales
+            q, k, k_cache, seen, self.scale, self.kernels, v, v_cache, None, ks, self.sinks
         )  # [T, H, D]
         return _project(self.o, out.reshape(T, H * D), residual, rows)
+
+    def qk_normed(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The projections before the rotation: here as they are ([T, (H + 2 Hkv) D])."""
+        return qkv
+
+
+class QKNormAttention(GQAAttention):
+    """GQA attention with a norm over each head's q and each head's k before the rotation
+    (Qwen3: ``RMSNorm``; Gemma 3: its ``(1 + w)`` form), one weight [D] shared by the heads."""
+
+    def __init__(self, cfg, w, prefix, rope, kernels, q_norm, k_norm, window=None, sinks=None):
+        super().__init__(cfg, w, prefix, rope, kernels, window, sinks)
+        self.q_norm, self.k_norm = q_norm, k_norm
+
+    def qk_normed(self, qkv: torch.Tensor) -> torch.Tensor:
+        T, H, Hkv, D = qkv.shape[0], self.H, self.Hkv, self.D
+        heads = qkv.view(T, H + 2 * Hkv, D)
+        q = self.q_norm(heads[:, :H].reshape(T * H, D)).view(T, H, D)
+        k = self.k_norm(heads[:, H : H + Hkv].reshape(T * Hkv, D)).view(T, Hkv, D)
+        return torch.cat([q, k, heads[:, H + Hkv :]], dim=1).view(T, -1)  # [T, (H + 2 Hkv) D]
 
 
 class MLAAttention:

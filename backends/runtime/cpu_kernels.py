@@ -3,12 +3,12 @@ torch ops (``torch.ops.pd_runtime``).
 
 * ``csrc/cpu_ops.cpp``: ``paged_decode``, decode attention that reads each sequence's K and V
   rows straight from the pool slots (no gathered copy), all the query heads of a KV head per row
-  read;
+  read; each query's keys a range of its slots (a sliding window's), optional sink logits;
 * ``csrc/cpu_fused.cpp``: ``rms_norm``, ``add_rms_norm`` (residual add + norm), ``silu_mul``
   (the gated MLP's activation) and ``rope_write_kv`` (rotary embedding of q and k + the KV
   write): one pass each where torch runs several small ops.
 * ``csrc/cpu_prefill.cpp``: ``prefill_attention``, causal attention of prompts over themselves
-  on the sgemm torch exports;
+  on the sgemm torch exports (optionally in a sliding window, with sink logits);
 * ``csrc/cpu_linear.cpp``: ``linear_small``, linear layers for a few rows (decode), float32,
   bfloat16 or float16 weights (half weights also with float32 activations), each weight row
   read from memory once.

@@ -15,8 +15,14 @@ in static buffers that each step overwrites in place:
 
 Rows past B (padding up to the bucket) decode a dummy token at position 0 of a scratch page the
 graphs hold for themselves (taken from the pool once; nothing else reads it), so their KV writes
-touch no sequence's pages. Attention goes through the Triton kernel, which reads only these
-buffers (the key splits are fixed by ``max_pages``: empty splits cost an early exit).
+touch no sequence's pages. A model with a sliding-window entry (``pool.window``: Gemma 3,
+gpt-oss) has a second ``window_table`` and ``window_write_slots`` for it, the batch its sliding
+layers attend through (``BatchMeta.window_batch``); its padding rows write to the window pool's
+placeholder page (which no layer reads), or with no window tables given (each sequence's pages
+serve both entries) to the same scratch page id.
+
+Attention goes through the Triton kernel, which reads only these buffers (the key splits are
+fixed by ``max_pages``: empty splits cost an early exit).
 
 Only models whose step has no host synchronisation can be captured: GQA models (the MoE layers
 of DeepSeek count tokens per expert on the host; the runner does not try them). A capture that
@@ -30,9 +36,9 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 
 from . import cuda_attn
 from .paged import BatchMeta
@@ -84,6 +90,9 @@ class DecodeGraphs:
         self.starts = torch.zeros(n, **i32)
         self.page_table = torch.zeros(n, max_pages, **i32)
         self.cu_q = torch.arange(n + 1, **i32)
+        if pool.window is not None:  # the sliding layers' entry: its own slots and table
+            self.window_write_slots = torch.zeros(n, dtype=torch.long, device=dev)
+            self.window_table = torch.zeros(n, max_pages, **i32)
         self.graphs: dict[int, tuple] = {}
         self.failed = False
 
@@ -102,13 +111,40 @@ class DecodeGraphs:
             lengths=[1] * bucket,
             num_seqs=bucket,
             max_q=1,
-            window=self.runner.config.sliding_window,
             page_size=ps,
             page_table=self.page_table[:bucket],
             starts=self.starts[:bucket],
         )
         meta.cu_q = self.cu_q[: bucket + 1]
+        cfg = self.runner.config
+        windows = {cfg.layer_window(i) for i in range(cfg.num_layers)} - {None}
+        seen = meta
+        if self.pool.window is not None:  # the sliding layers attend through this batch
+            seen = meta.window_batch = replace(
+                meta,
+                write_slots=self.window_write_slots[:bucket],
+                page_table=self.window_table[:bucket],
+                views={},
+            )
+            seen.cu_q = meta.cu_q
+        for window in windows:
+            # each windowed layer's view (BatchMeta.for_window) made here, on the same static
+            # buffers: the Triton kernel reads only its window, page table and starts (and
+            # sizes its key splits from read_slots: a decode step reads at most window keys)
+            view = replace(seen, window=window, read_slots=seen.read_slots[:, :window], views={})
+            view.cu_q = meta.cu_q
+            seen.views[window] = view
         return meta
+
+    def _table(self, bucket: int, tables, pad: int, pos: torch.Tensor):
+        """-> (the page table [bucket, max_pages] int32, padded with page ``pad``; each row's
+        write slot [bucket] at ``pos``)."""
+        ps = self.pool.page_size
+        table = torch.full((bucket, self.max_pages), pad, dtype=torch.int32)
+        for b, pages in enumerate(tables):
+            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        page_of = table[torch.arange(bucket), pos // ps].long()
+        return table, page_of * ps + pos % ps
 
     def _step_fn(self, bucket: int) -> Callable[[], torch.Tensor]:
         meta, model, pool = self._meta(bucket), self.runner.model, self.pool
@@ -119,35 +155,46 @@ class DecodeGraphs:
             # (RotaryEmbedding.rows) runs again, inside the graph, instead of reusing the first
             # step's rows (found on an H100: every step after a bucket's first was wrong)
             meta.positions = self.positions[:bucket]
+            if meta.window_batch is not None:
+                meta.window_batch.positions = meta.positions
             # model.embed checks the ids on the host (a sync, not capturable): run() checks them
-            h = F.embedding(self.ids[:bucket], model.embed_tokens)  # [bucket, hidden]
-            h = model.run_layers(h, meta, pool.tensor, 0, layers)
+            h = model.embed_rows(self.ids[:bucket])  # [bucket, hidden]
+            window = None if pool.window is None else pool.window.tensor
+            h = model.run_layers(h, meta, pool.tensor, 0, layers, None, window)
             return model.logits(h)  # [bucket, vocab] float32
 
         return step
 
-    def run(self, tokens, positions, page_tables) -> torch.Tensor | None:
+    def run(self, tokens, positions, page_tables, window_tables=None) -> torch.Tensor | None:
         """Logits [B, vocab], or None where this step runs eagerly (too many sequences or
-        pages, or capture failed)."""
+        pages, or capture failed). ``window_tables``: each sequence's page table in
+        ``pool.window`` (None: its ``page_tables``, see ``SeqInput.window_pages``)."""
         B = len(tokens)
         if self.failed or B > BUCKETS[-1] or max(map(len, page_tables)) > self.max_pages:
             return None
         if not all(0 <= t < self.runner.config.vocab_size for t in tokens):
             return None  # the eager path raises the error
+        window = self.pool.window
+        if window is not None and window_tables is None and not window.untouched:
+            return None  # the eager path raises the error
+        if window_tables is not None and max(map(len, window_tables)) > self.max_pages:
+            return None
         bucket = next(b for b in BUCKETS if b >= B)
-        ps, scratch = self.pool.page_size, self.scratch_page
-        table = torch.full((bucket, self.max_pages), scratch, dtype=torch.int32)
-        for b, pages in enumerate(page_tables):
-            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
         pos = torch.tensor(list(positions) + [0] * (bucket - B))
-        page_of = table[torch.arange(bucket), pos // ps].long()
+        table, write_slots = self._table(bucket, page_tables, self.scratch_page, pos)
         host = dict(
             ids=torch.tensor(list(tokens) + [0] * (bucket - B)),
             positions=pos,
-            write_slots=page_of * ps + pos % ps,
+            write_slots=write_slots,
             starts=pos.to(torch.int32),
             page_table=table,
         )
+        if window is not None:
+            if window_tables is None:  # the same page ids in both entries
+                host.update(window_table=table, window_write_slots=write_slots)
+            else:
+                wtable, wslots = self._table(bucket, window_tables, window.placeholder(), pos)
+                host.update(window_table=wtable, window_write_slots=wslots)
         for name, value in host.items():  # into the static buffers, in place
             buf = getattr(self, name)[:bucket]
             buf.copy_(value.to(buf.dtype), non_blocking=True)

@@ -90,13 +90,15 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache, v_dim, meta: BatchMeta
 
 
 def cpu_decode_attention(
-    q: Tensor, k_cache: Tensor, v_cache, v_dim, meta: BatchMeta, scale: float, kv_scales=(1.0, 1.0)
+    q, k_cache, v_cache, v_dim, meta: BatchMeta, scale: float, kv_scales=(1.0, 1.0), sinks=None
 ):
     """As :func:`decode_attention`, through ``torch.ops.pd_runtime.paged_decode``: each K and V
     row is read once, from its slot, for all the query heads of its KV head; an fp8 pool's rows
     are widened as they are read (the K scale folds into the softmax scale, the V scale into
-    the output). -> [B, H, Dv], or None off CPU or where the kernel cannot be built (the
-    caller goes eager)."""
+    the output). Each new token reads keys ``meta.key_bounds`` of its row of
+    ``meta.token_slots`` (a windowed layer's view: only its window). ``sinks``: [H] float32
+    sink logits, or None. -> [B, H, Dv], or None off CPU or where the kernel cannot be built
+    (the caller goes eager)."""
     if q.device.type != "cpu":
         return None
     op = paged_decode_op()
@@ -104,7 +106,7 @@ def cpu_decode_attention(
         return None
     qg, v = _grouped(q, k_cache, v_cache, v_dim)
     lo, hi = meta.key_bounds
-    out = op(qg.contiguous(), k_cache, v, meta.token_slots, lo, hi, scale * kv_scales[0])
+    out = op(qg.contiguous(), k_cache, v, meta.token_slots, lo, hi, scale * kv_scales[0], sinks)
     if k_cache.dtype == torch.float8_e4m3fn and kv_scales[-1] != 1.0:
         out = out * kv_scales[-1]
     return out.reshape(q.shape[0], q.shape[1], -1)

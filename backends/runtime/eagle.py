@@ -32,8 +32,8 @@ import torch
 
 from .config import ModelConfig
 from .dtypes import model_dtype
+from .families import llama
 from .kernels import KernelSettings, Linear
-from .model import DecoderLayer
 from .paged import SeqInput
 from .rope import RotaryEmbedding
 from .runner import ModelRunner
@@ -104,9 +104,11 @@ class HeadModel:
         kernels = dataclasses.replace(KernelSettings.from_env(), half_weights=True)
         self.cfg = cfg
         self.embed_tokens = target.model.embed_tokens  # the target's, shared
+        self.embed_rows = target.model.embed_rows  # with its multiplier (Gemma 3)
+        self.softcap = target.config.final_logit_softcapping  # the target's logits' (Gemma 3)
         self.fc = Linear(w.get("fc.weight"), w.opt("fc.bias"), kernels)
         rope = RotaryEmbedding(cfg.rope, cfg.max_position_embeddings, device, dtype)
-        self.layers = [DecoderLayer(cfg, w, 0, rope, kernels)]
+        self.layers = [llama.build_layer(cfg, w, 0, rope, kernels)]
         if w.has("lm_head.weight"):  # a reduced draft vocabulary
             self.lm_head = Linear(w.get("lm_head.weight"), None, kernels)
             self.draft_to_target = w.get("draft_to_target").to(device=device, dtype=torch.long)
@@ -177,7 +179,7 @@ class EagleHead(ModelRunner):
         ids = self._ids([t for s in seqs for t in s.token_ids])
         x = torch.cat(
             [
-                torch.nn.functional.embedding(ids, m.embed_tokens),
+                m.embed_rows(ids),
                 torch.cat(feats).to(m.embed_tokens.dtype),
             ],
             dim=-1,
@@ -189,7 +191,10 @@ class EagleHead(ModelRunner):
             sizes = [1] * len(sizes)
         if not logits:
             return None, list(g.split(sizes))
-        out = m.lm_head(g).float()  # [n, D]
+        out = m.lm_head(g)  # [n, D]
+        if m.softcap is not None:
+            out = torch.tanh(out / m.softcap) * m.softcap
+        out = out.float()
         if m.draft_to_target is not None:  # scatter the draft vocabulary into the target's
             full = out.new_full((out.shape[0], self.config.vocab_size), float("-inf"))
             out = full.index_copy_(1, m.draft_to_target, out)

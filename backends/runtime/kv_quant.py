@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from .config import MAIN, WINDOW
+
 FP8 = "float8_e4m3fn"
 KV_CACHE_DTYPES = ("auto", FP8)
 FP8_MAX = 448.0
@@ -84,4 +86,16 @@ def calibrate(runner) -> tuple[int, ...]:
     runner.prefill(pool, ids, list(range(pool.num_pages)))
     lay = pool.layout
     slabs = pool.tensor.view(lay.num_layers * lay.components, -1)
-    return tuple(scale_of(float(a)) for a in slabs.abs().amax(dim=1).float().cpu())
+    scales = tuple(scale_of(float(a)) for a in slabs.abs().amax(dim=1).float().cpu())
+    if pool.window is None:
+        return scales
+    # a sliding-window entry of its own: each model layer's scales from its entry, in order
+    win = pool.window.tensor.view(pool.window.layout.num_layers * lay.components, -1)
+    window = tuple(scale_of(float(a)) for a in win.abs().amax(dim=1).float().cpu())
+    of = {MAIN: scales, WINDOW: window}
+    comps = lay.components
+    return tuple(
+        e
+        for entry, j in runner.model.kv_slab  # every layer keeps KV here
+        for e in of[entry][j * comps : (j + 1) * comps]
+    )

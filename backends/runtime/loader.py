@@ -8,6 +8,8 @@ the imports run one way.
 
 from __future__ import annotations
 
+import torch
+
 from . import kv_quant
 from .config import ModelConfig
 from .dtypes import model_dtype
@@ -37,6 +39,7 @@ def load_runner(
     if tensor_parallel_size != 1 or not isinstance(device, str):
         from .tp.runner import TPModelRunner  # torch.distributed, multiprocessing: only for TP
 
+        refuse_recurrent(ModelConfig.from_pretrained(path), "tensor parallelism")
         if kv_dtype != dtype:
             raise ValueError(
                 "kv_cache_dtype float8_e4m3fn is not supported with tensor parallelism yet "
@@ -50,8 +53,42 @@ def load_runner(
     if num_layers is not None:
         config = config.truncated(num_layers)
     tensors = load_weights(path, config.num_layers, torch_dtype, device)
-    model = CausalLM(config, WeightReader(tensors, path), device, torch_dtype)
+    return runner_from_tensors(
+        config, tensors, path, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype
+    )
+
+
+def runner_from_tensors(
+    config: ModelConfig,
+    tensors: dict[str, torch.Tensor],
+    source: str,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    kv_cache_dtype: str = "auto",
+) -> ModelRunner:
+    """A single-rank runner over tensors already in memory (``name -> tensor`` as a checkpoint
+    names them, in ``dtype`` on ``device``; ``source`` names them in errors): what
+    :func:`load_runner` does once it has read the files. ``python -m benchmarks.gpu_roofline``
+    builds 8B-shaped models from random tensors made on the GPU this way, with no checkpoint
+    written or read (16 GB each)."""
+    kv_dtype = kv_quant.resolve(kv_cache_dtype, dtype)
+    if kv_dtype != dtype:
+        refuse_recurrent(config, f"kv_cache_dtype {kv_dtype}")
+    model = CausalLM(config, WeightReader(tensors, source), device, model_dtype(dtype))
     runner = ModelRunner(config, model, dtype, device, graphs=True)
     if kv_dtype != dtype:
         runner.set_kv_cache(kv_dtype, kv_quant.calibrate(runner))
     return runner
+
+
+def refuse_recurrent(config: ModelConfig, feature: str) -> None:
+    """A model with recurrent layers (gated DeltaNet, Mamba2) does not support ``feature`` yet:
+    tensor parallelism (its mixers are not sharded by head) and fp8 KV (scales per attention
+    layer only) fail at load, naming the model and the feature."""
+    if config.has_recurrent_state:
+        raise ValueError(
+            f"{feature} is not supported for models with recurrent layers yet "
+            f"({config.architecture}: {len(config.recurrent_layers)} of {config.num_layers} "
+            f"layers keep a per-sequence state)"
+        )

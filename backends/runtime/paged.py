@@ -24,17 +24,33 @@ Pool reads (``extend``, and ``decode`` where no in-place kernel runs) go through
 runtime's C++ kernel (:mod:`backends.runtime.decode_attn`); ``key_bounds`` is its view of the
 mask. On CUDA every kind reads the pages in place through ``page_table`` with the Triton kernel
 (:mod:`backends.runtime.triton_attn`; ``starts`` and ``cu_q`` are its view of the batch).
+
+Layers with different windows (Gemma 3, gpt-oss: sliding and full layers interleaved) share one
+batch: the runner builds it without a window and each layer attends through
+:meth:`BatchMeta.for_window` (built once per forward and window). A windowed view reads only the
+keys its window reaches: its ``read_slots`` start, per sequence, at the first key the sequence's
+first new token sees (``key_base``), and its ``mask`` / ``key_bounds`` are relative to that; the
+C++ kernels and the Triton kernel start their key loops at the window. So the pages before a
+sequence's window are never read by a sliding layer, and a model that mixes sliding and full
+layers keeps its sliding layers' KV in a pool entry of its own, where a sequence holds only its
+window's pages (:mod:`backends.runtime.window`): the runner builds a second batch over those
+page tables (:meth:`BatchMeta.with_pages`, as ``window_batch``), and the sliding layers attend
+through its windowed views.
+
+Attention sinks (gpt-oss): ``sinks`` [H], one learned logit per query head that joins every
+softmax's denominator and adds no value: ``out = sum_j e^(s_j) v_j / (e^sink + sum_j e^(s_j))``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
 from .kv_quant import dequantize, is_fp8, write_rows
+from .recurrent.batch import RecurrentBatch
 
 
 @dataclass
@@ -46,6 +62,12 @@ class SeqInput:
     token_ids: list[int]
     start_pos: int
     pages: list[int] = field(default_factory=list)
+    slot: int | None = None  # its state slot (a model with recurrent layers; see state_pool)
+    # a model with a sliding-window entry (pool.window): its page table there, one page per
+    # block, out-of-window blocks on the placeholder (window.WindowTable.table). None: the same
+    # page ids as ``pages`` (a caller holding every block in both entries, while nothing else
+    # holds a page of pool.window)
+    window_pages: list[int] | None = None
 
 
 @dataclass
@@ -65,6 +87,14 @@ class BatchMeta:
     page_size: int = 0
     page_table: torch.Tensor | None = None  # [B, P] int32 pages of each sequence (padded: 0)
     starts: torch.Tensor | None = None  # [B] int32 position of each sequence's first new token
+    # a windowed view (for_window): [B] position of each sequence's read_slots column 0
+    key_base: torch.Tensor | None = None
+    # a model with recurrent layers: each sequence's state slot (set by the runner)
+    recurrent: RecurrentBatch | None = None
+    # a model with a sliding-window entry: the same tokens over its page tables there
+    # (with_pages; set by the runner), which the sliding layers attend through
+    window_batch: BatchMeta | None = None
+    views: dict = field(default_factory=dict, repr=False, compare=False)  # window -> view
 
     @classmethod
     def build(
@@ -79,13 +109,8 @@ class BatchMeta:
         starts, lengths, table = _check_and_table(seqs, page_size, num_pages)
         B, max_q = len(seqs), max(lengths)
         ctx = starts + torch.tensor(lengths)  # [B]
-        max_ctx = int(ctx.max())
-        offs = torch.arange(max_ctx)
-        read_slots = table[:, offs // page_size] * page_size + offs % page_size  # [B, L]
-        seq_of = torch.repeat_interleave(torch.arange(B), torch.tensor(lengths))  # [T]
-        first = torch.tensor([0] + lengths[:-1]).cumsum(0)  # [B] first flat token of each seq
-        within = torch.arange(len(seq_of)) - first[seq_of]  # [T] index inside its sequence
-        positions = starts[seq_of] + within
+        seq_of, within, positions = _token_index(starts, lengths)
+        read_slots, write_slots = _slots(table, ctx, seq_of, positions, page_size)
         if bool((starts == 0).all()):
             kind = "prefill"
         else:
@@ -94,7 +119,7 @@ class BatchMeta:
         return cls(
             kind=kind,
             positions=positions.to(device),
-            write_slots=read_slots[seq_of, positions].to(device),
+            write_slots=write_slots.to(device),
             read_slots=read_slots.to(device),
             ctx_lens=ctx.to(device),
             q_index=(seq_of * max_q + within).to(device),
@@ -108,6 +133,39 @@ class BatchMeta:
             page_table=table.to(device=device, dtype=torch.int32),
             starts=starts.to(device=device, dtype=torch.int32),
         )
+
+    def with_pages(self, seqs: list[tuple[int, int, list[int]]], num_pages: int) -> BatchMeta:
+        """The same batch over another entry's page tables: ``seqs`` as for :meth:`build`
+        (the same starts and lengths, that entry's pages). Only the slots and the page table
+        differ; built without a window, as :meth:`build`."""
+        starts, lengths, table = _check_and_table(seqs, self.page_size, num_pages)
+        if lengths != self.lengths:
+            raise ValueError("a batch over other pages must have the same sequences")
+        seq_of, _, positions = _token_index(starts, lengths)
+        ctx = starts + torch.tensor(lengths)
+        read_slots, write_slots = _slots(table, ctx, seq_of, positions, self.page_size)
+        device = self.positions.device
+        return replace(
+            self,
+            write_slots=write_slots.to(device),
+            read_slots=read_slots.to(device),
+            page_table=table.to(device=device, dtype=torch.int32),
+            recurrent=None,
+            window_batch=None,
+            views={},
+        )
+
+    def for_window(self, window: int | None) -> BatchMeta:
+        """This batch as a layer whose queries see ``window`` keys (None: all) attends over it:
+        itself when the windows agree, else a view built once (see the module docstring)."""
+        if window == self.window:
+            return self
+        view = self.views.get(window)
+        if view is None:
+            if self.key_base is not None:
+                raise ValueError("a window view is built from the batch, not from another view")
+            view = self.views[window] = _window_view(self, window)
+        return view
 
     @cached_property
     def cu_seqlens(self) -> torch.Tensor:
@@ -137,16 +195,23 @@ class BatchMeta:
         p) sees keys [lo_t, hi_t) = [max(0, p + 1 - window), p + 1) of its sequence's row of
         ``read_slots`` (``token_slots``)."""
         hi = self.positions.to(torch.int64) + 1
-        if self.window is None:
-            return torch.zeros_like(hi), hi
-        return (hi - self.window).clamp(min=0), hi
+        lo = torch.zeros_like(hi) if self.window is None else (hi - self.window).clamp(min=0)
+        if self.key_base is not None:  # a windowed view: columns start at key_base
+            base = self.key_base[self.seq_of_token]
+            return lo - base, hi - base
+        return lo, hi
+
+    @cached_property
+    def seq_of_token(self) -> torch.Tensor:
+        """[T] int64: the sequence of each new token."""
+        return torch.div(self.q_index, self.max_q, rounding_mode="floor")
 
     @cached_property
     def token_slots(self) -> torch.Tensor:
         """[T, L]: each new token's row of ``read_slots`` (a decode batch: ``read_slots``)."""
         if self.max_q == 1:
             return self.read_slots
-        return self.read_slots[torch.div(self.q_index, self.max_q, rounding_mode="floor")]
+        return self.read_slots[self.seq_of_token]
 
 
 def _check_and_table(
@@ -178,12 +243,31 @@ def _check_and_table(
     return torch.tensor([s for s, _, _ in seqs]), [n for _, n, _ in seqs], table
 
 
+def _token_index(starts: torch.Tensor, lengths: list[int]):
+    """-> (seq_of [T]: each new token's sequence, within [T]: its index inside it, positions
+    [T]: its position)."""
+    seq_of = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))  # [T]
+    first = torch.tensor([0] + lengths[:-1]).cumsum(0)  # [B] first flat token of each seq
+    within = torch.arange(len(seq_of)) - first[seq_of]  # [T] index inside its sequence
+    return seq_of, within, starts[seq_of] + within
+
+
+def _slots(table, ctx, seq_of, positions, page_size: int):
+    """table [B, P], ctx [B], seq_of and positions [T] -> (read_slots [B, L]: each sequence's
+    context slots through its page table, padded to the longest context L; write_slots [T]:
+    each new token's slot)."""
+    offs = torch.arange(int(ctx.max()))
+    read_slots = table[:, offs // page_size] * page_size + offs % page_size  # [B, L]
+    return read_slots, read_slots[seq_of, positions]
+
+
 def _mask(
     kind: str, starts: torch.Tensor, ctx: torch.Tensor, max_q: int, window: int | None
 ) -> tuple[torch.Tensor | None, bool]:
     """-> (mask [B, 1, Q, L] or None, plain causal). Keys: context ([0, L)), or for a prefill
     batch the new tokens themselves (the same positions)."""
     L = int(ctx.max())
+    dev = starts.device
     windowed = window is not None and window < L
     if kind == "prefill" and not windowed:
         # every sequence starts at 0 and is right-padded: a real query at position i sees keys
@@ -192,13 +276,44 @@ def _mask(
         return None, True
     if kind == "decode" and not windowed and bool((ctx == L).all()):
         return None, False  # every query sees its whole (equal-length) context
-    q_pos = starts[:, None] + torch.arange(max_q)[None, :]  # [B, Q]; padding rows see more,
-    q_pos = torch.minimum(q_pos, ctx[:, None] - 1)  # clamped so no row is fully masked
-    k_pos = torch.arange(L)[None, None, :]  # [1, 1, L]
+    k_pos = torch.arange(L, device=dev)[None, None, :]  # [1, 1, L]
+    return _key_mask(starts, ctx, max_q, k_pos, window if windowed else None), False
+
+
+def _key_mask(starts, ctx, max_q: int, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[B, 1, Q, L] bool: query q of sequence b (at starts[b] + q) sees the key at position
+    k_pos[b or 0, 0, l]."""
+    q_pos = starts[:, None] + torch.arange(max_q, device=starts.device)[None, :]  # [B, Q];
+    q_pos = torch.minimum(q_pos, ctx[:, None] - 1)  # padding rows clamped: none fully masked
     mask = (k_pos <= q_pos[:, :, None]) & (k_pos < ctx[:, None, None])
-    if windowed:
+    if window is not None:
         mask &= k_pos > q_pos[:, :, None] - window
-    return mask[:, None], False
+    return mask[:, None]
+
+
+def _window_view(meta: BatchMeta, window: int | None) -> BatchMeta:
+    """``meta`` as a layer with ``window`` sees it. A prefill batch reads no pool: only its mask
+    changes. Otherwise, with a window, each sequence's keys start at the first one its first
+    new token sees, ``key_base[b] = max(0, start_b - window + 1)``: ``read_slots`` [B, S] (S the
+    longest span; columns past a sequence's context repeat its last slot, masked) and the mask
+    are relative to it. Built with device ops (one host sync: S)."""
+    starts, ctx = meta.starts.long(), meta.ctx_lens
+    if window is None or meta.kind == "prefill":
+        mask, causal = _mask(meta.kind, starts, ctx, meta.max_q, window)
+        view = replace(meta, window=window, mask=mask, causal=causal, views={})
+    else:
+        base = (starts - window + 1).clamp(min=0)  # [B]
+        span = int((ctx - base).max())
+        cols = base[:, None] + torch.arange(span, device=base.device)[None, :]  # [B, S]
+        read = meta.read_slots.gather(1, torch.minimum(cols, ctx[:, None] - 1))
+        mask = _key_mask(starts, ctx, meta.max_q, cols[:, None, :], window)
+        view = replace(
+            meta, window=window, read_slots=read, mask=mask, causal=False, key_base=base, views={}
+        )
+    for name in ("cu_seqlens", "cu_q", "last_rows", "seq_of_token"):  # the window's not in them
+        if name in meta.__dict__:
+            view.__dict__[name] = meta.__dict__[name]
+    return view
 
 
 def write_kv(cache: torch.Tensor, meta: BatchMeta, new: torch.Tensor, scale=None) -> None:
@@ -247,6 +362,7 @@ def paged_attention(
     v_cache: torch.Tensor | None = None,
     v_dim: int | None = None,
     kv_scales: tuple[float, ...] = (1.0, 1.0),
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens over their sequences' context (the new tokens included).
 
@@ -255,7 +371,8 @@ def paged_attention(
     ``v_dim``: the values are the keys' first ``v_dim`` channels (MLA's latent). -> [T, H, Dv].
     H must be a multiple of Hkv (GQA; MLA in latent space has Hkv = 1). ``kv_scales``: the
     (K, V) scales of fp8 caches (a prefill reads no cache: its caller passes the new K/V as
-    the pool stores them, see :func:`~backends.runtime.kv_quant.as_stored`).
+    the pool stores them, see :func:`~backends.runtime.kv_quant.as_stored`). ``sinks``: [H]
+    float32 sink logits, or None.
     """
     H = q.shape[1]
     if meta.kind == "prefill":  # the context is the new tokens: no pool reads
@@ -267,6 +384,10 @@ def paged_attention(
             v = k[..., :v_dim]
         else:
             v = gather_context(v_cache, meta, kv_scales[-1], q.dtype)
+    if sinks is not None:  # SDPA has no sink: the softmax written out
+        qp = q[:, :, None] if meta.kind == "decode" else pad_queries(q, meta)
+        out = _attention_with_sinks(qp, k, v, meta.mask, meta.causal, scale, sinks)
+        return out[:, :, 0] if meta.kind == "decode" else unpad(out, meta)
     if meta.kind == "decode":
         return _decode_sdpa(q, k, v, meta.mask, scale)
     qp = pad_queries(q, meta)  # [B, H, Q, Dk]
@@ -280,6 +401,25 @@ def paged_attention(
         enable_gqa=k.shape[1] != H,
     )  # [B, H, Q, Dv]
     return unpad(out, meta)
+
+
+def _attention_with_sinks(q, k, v, mask, causal: bool, scale: float, sinks) -> torch.Tensor:
+    """q: [B, H, Q, Dk]; k: [B, Hkv, L, Dk]; v: [B, Hkv, L, Dv]; mask: [B, 1, Q, L] or None
+    (``causal``: plain causal; else every key); sinks: [H] -> [B, H, Q, Dv] in q's dtype.
+    Float32 scores and softmax with each head's sink logit in the denominator."""
+    B, H, Q, _ = q.shape
+    G = H // k.shape[1]
+    kf, vf = k.float().repeat_interleave(G, 1), v.float().repeat_interleave(G, 1)  # [B, H, L, D]
+    s = (q.float() @ kf.transpose(-1, -2)) * scale  # [B, H, Q, L]
+    if mask is None and causal:
+        mask = torch.ones(Q, s.shape[-1], dtype=torch.bool, device=s.device).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, H, 1, 1)
+    m = torch.maximum(s.amax(-1, keepdim=True), sink)  # finite: the sink is
+    p = torch.exp(s - m)
+    p = p / (p.sum(-1, keepdim=True) + torch.exp(sink - m))
+    return (p @ vf).to(q.dtype)
 
 
 def _decode_sdpa(q, k, v, mask, scale) -> torch.Tensor:

@@ -41,9 +41,11 @@ def cpu_prefill_attention(
     v_dim: int | None,
     meta: BatchMeta,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """q: [T, H, Dk]; k_new: [T, Hkv, Dk]; values v_new [T, Hkv, Dv], or the keys' first
-    ``v_dim`` channels (MLA) -> [T, H, Dv], or None where the kernel does not apply."""
+    ``v_dim`` channels (MLA) -> [T, H, Dv], or None where the kernel does not apply. The
+    layer's window is ``meta.window``; ``sinks``: [H] float32 sink logits, or None."""
     if q.device.type != "cpu" or q.dtype != torch.float32 or k_new.dtype != torch.float32:
         return None
     ops = _ops()
@@ -51,4 +53,4 @@ def cpu_prefill_attention(
         return None
     v = k_new[..., :v_dim] if v_new is None else v_new
     window = meta.window if meta.window is not None else 0
-    return ops.prefill_attention(q.contiguous(), k_new, v, meta.cu_seqlens, scale, window)
+    return ops.prefill_attention(q.contiguous(), k_new, v, meta.cu_seqlens, scale, window, sinks)

@@ -9,6 +9,7 @@ import torch
 
 from .detok import TextState
 from .sampler import SamplingParams, TokenLogprob
+from .window import WindowTable
 
 
 def check_context(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
@@ -45,6 +46,11 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     prefilled: bool = False  # prompt KV already in ``pages`` (disaggregated decode)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    slot: int | None = None  # its state slot (a model with recurrent layers: pool.states)
+    # its pages in the sliding-window entry (a model with one: pool.window), from admission
+    # (or add_prefilled) to its end
+    window: WindowTable | None = None
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if asked
     text: TextState | None = None  # incremental text + stop strings (engine with a tokenizer)

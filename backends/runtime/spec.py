@@ -26,8 +26,12 @@ logprob is taken from the verify forward's raw target logits at its position.
 
 Rejected positions are rolled back by length only: their KV stays in the pages as stale data
 that the next write overwrites. ``k`` is clamped per sequence to ``max_tokens - emitted - 1`` (no
-write goes past the plain engine's page reservation or ``max_context``), and to 0 in a step
-of more than ``DraftSpec.max_batch`` sequences (where verifying k + 1 rows each costs more).
+write goes past the plain engine's page reservation or ``max_context``), to 0 in a step of
+more than ``DraftSpec.max_batch`` sequences (where verifying k + 1 rows each costs more), and to
+0 for the sequences an adaptive policy (``DraftSpec.policy``, :mod:`.draft_policy`) keeps from
+drafting because their drafts do not pay. A step in which nobody drafts is the target's plain
+decode step (CUDA graphs included); the draft catches up the tokens it missed the next time it
+drafts. ``SpecStats.verify_steps`` counts the steps that verified at least one draft.
 
 Usage (decode stage)::
 
@@ -43,10 +47,12 @@ filled with ``draft.prefill(draft_pool, prompt, pages)``.
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 
 import torch
 
+from .draft_policy import AdaptiveDrafting, DraftPolicy
 from .eagle import EagleHead, head_config
 from .engine import LLMEngine, StepOutput
 from .kv_pool import KVPool
@@ -82,6 +88,7 @@ def load_draft(
     of its own, from the target's device on), or a ``num_layers`` self-draft."""
     if (path is None) == (num_layers is None):
         raise ValueError("give exactly one of a draft checkpoint path or self-draft num_layers")
+    check_speculable(target, "target")
     if num_layers is not None:
         return self_draft(target, num_layers)
     if head_config(path) is not None:  # an EAGLE head (spec_eagle.spec_engine runs it)
@@ -98,7 +105,21 @@ def load_draft(
     return draft
 
 
+def check_speculable(runner: ModelRunner, role: str) -> None:
+    """Refuse a model with recurrent layers (gated DeltaNet, Mamba2) as target or draft:
+    verification rolls rejected tokens back by length, which a recurrent state cannot be (it
+    would keep them folded in, silently): speculation would need a state per draft position."""
+    if runner.config.has_recurrent_state:
+        raise ValueError(
+            f"speculative decoding is not supported with a {role} model that has recurrent "
+            f"layers ({runner.config.architecture}): its state cannot be rolled back past "
+            f"rejected draft tokens; serve it without spec"
+        )
+
+
 def check_compatible(target: ModelRunner, draft: ModelRunner) -> None:
+    check_speculable(target, "target")
+    check_speculable(draft, "draft")
     t, d = target.config, draft.config
     if t.vocab_size != d.vocab_size:
         raise ValueError(
@@ -111,13 +132,15 @@ def check_compatible(target: ModelRunner, draft: ModelRunner) -> None:
 
 @dataclass(frozen=True)
 class DraftSpec:
-    """The draft side of a :class:`SpecEngine`: its runner, its own KV pool, k, and the batch
-    size above which a step drafts nothing (verifying one token per sequence; 0: no limit)."""
+    """The draft side of a :class:`SpecEngine`: its runner, its own KV pool, k, the batch size
+    above which a step drafts nothing (verifying one token per sequence; 0: no limit), and the
+    adaptive policy's parameters (None: every sequence drafts whenever it can)."""
 
     runner: ModelRunner
     pool: KVPool
     num_spec_tokens: int = 4
     max_batch: int = 0
+    policy: AdaptiveDrafting | None = None
 
     def __post_init__(self) -> None:
         for name, low in (("num_spec_tokens", 1), ("max_batch", 0)):
@@ -129,9 +152,11 @@ class DraftSpec:
 
 @dataclass
 class SpecStats:
-    verify_steps: int = 0  # (sequence, target verify forward) pairs
+    verify_steps: int = 0  # (sequence, target forward that verified >= 1 draft) pairs
     proposed: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens the target accepted
+    undrafted_steps: int = 0  # (sequence, step) pairs the adaptive policy kept from drafting
+    switched_off: int = 0  # times the policy stopped a sequence's drafting (or started it off)
 
     @property
     def acceptance_rate(self) -> float:
@@ -149,6 +174,8 @@ class SpecStats:
             "accepted": self.accepted,
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
+            "undrafted_steps": self.undrafted_steps,
+            "switched_off": self.switched_off,
         }
 
 
@@ -241,7 +268,16 @@ def _emitted_logprobs(
 
 
 class SpecEngine(LLMEngine):
-    """LLMEngine with a draft model; same API plus ``draft_pages`` on :meth:`add_prefilled`."""
+    """LLMEngine with a draft model; same API plus ``draft_pages`` on :meth:`add_prefilled`.
+
+    With a prefix cache only the target's pool is cached: the target computes the prompt from
+    its cached length on, the draft the whole prompt into its own pages (its KV is not cached).
+    Verify writes rejected drafts' KV only at positions ``>= num_tokens - 1``, past every block
+    the engine publishes, so cached pages hold accepted tokens' KV only."""
+
+    # the target's plain step can replace a step nobody drafts in (an EAGLE head needs the
+    # features that only the verify forward returns)
+    plain_when_undrafted = True
 
     def __init__(
         self,
@@ -251,6 +287,7 @@ class SpecEngine(LLMEngine):
         max_batch: int = 16,
         max_context: int | None = None,
         tokenizer=None,
+        prefix_cache=None,
     ):
         check_compatible(runner, draft.runner)
         limit = min(
@@ -263,9 +300,12 @@ class SpecEngine(LLMEngine):
                 f"max_context {max_context} exceeds the draft or target max_position_embeddings "
                 f"({limit})"
             )
-        super().__init__(runner, pool, max_batch, max_context, tokenizer=tokenizer)
+        super().__init__(
+            runner, pool, max_batch, max_context, tokenizer=tokenizer, prefix_cache=prefix_cache
+        )
         self.draft = draft
         self.stats = SpecStats()
+        self.policy = DraftPolicy(draft.policy) if draft.policy is not None else None
 
     # ---- requests ----------------------------------------------------------------------------
     def _validate(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -290,6 +330,9 @@ class SpecEngine(LLMEngine):
             seq.draft_len = len(seq.prompt_ids)
 
     # ---- pages -------------------------------------------------------------------------------
+    def _step_tokens(self) -> int:
+        return self.draft.num_spec_tokens + 1  # a verify: the last token and k drafts
+
     def _draft_extra(self, seq: Sequence) -> int:
         return self.draft.pool.pages_needed(seq.max_kv_tokens) - len(seq.draft_pages)
 
@@ -304,6 +347,8 @@ class SpecEngine(LLMEngine):
 
     def _release(self, seq: Sequence) -> None:
         super()._release(seq)
+        if self.policy is not None:
+            self.policy.forget(seq.seq_id)
         pages, seq.draft_pages = seq.draft_pages, []
         if pages:
             self.draft.pool.free(pages)
@@ -361,13 +406,40 @@ class SpecEngine(LLMEngine):
                 s.draft_len = n
             raise
 
+    def _pending(self, seq: Sequence) -> int:
+        """Tokens the draft must catch up before it drafts (<= 2 while it drafts every step)."""
+        return seq.num_tokens - seq.draft_len
+
+    def _plan(self, decoding: list[Sequence], k: int) -> list[int]:
+        """Each sequence's k this step: clamped to its remaining tokens, 0 where the policy
+        keeps it from drafting."""
+        ks = [min(k, s.params.max_tokens - len(s.output_ids) - 1) for s in decoding]
+        if self.policy is None or not k:
+            return ks
+        before = self.policy.stats.switched_off
+        go = self.policy.plan([s.seq_id for s in decoding])
+        self.stats.switched_off += self.policy.stats.switched_off - before
+        self.stats.undrafted_steps += sum(not g and x > 0 for g, x in zip(go, ks, strict=True))
+        return [x if g else 0 for g, x in zip(go, ks, strict=True)]
+
     def _spec_step(self, decoding: list[Sequence], out: StepOutput) -> None:
         d = self.draft
         k = 0 if d.max_batch and len(decoding) > d.max_batch else d.num_spec_tokens
-        ks = [min(k, s.params.max_tokens - len(s.output_ids) - 1) for s in decoding]
+        ks = self._plan(decoding, k)
+        t0 = time.perf_counter()
+        drafting = sum(x > 0 for x in ks)
+        timed = all(self._pending(s) <= x + 1 for s, x in zip(decoding, ks, strict=True) if x)
+        if not drafting and self.plain_when_undrafted:
+            super()._decode(decoding, out)  # LLMEngine's: the target's own step
+        else:
+            self._verify_step(decoding, ks, out)
+        if self.policy is not None and k:
+            self.policy.step_time(len(decoding), drafting, time.perf_counter() - t0, timed)
+
+    def _verify_step(self, decoding: list[Sequence], ks: list[int], out: StepOutput) -> None:
         drafts, qs = self._propose(decoding, ks)
         inputs = [
-            SeqInput([s.output_ids[-1]] + d, s.num_tokens - 1, s.pages)
+            self._seq_input(s, [s.output_ids[-1]] + d, s.num_tokens - 1)
             for s, d in zip(decoding, drafts, strict=True)
         ]
         logits = self._verify_logits(decoding, inputs)  # per seq [k_i + 1, V]
@@ -402,12 +474,15 @@ class SpecEngine(LLMEngine):
     ) -> None:
         # draft KV is valid only where the fed tokens were accepted
         seq.draft_len = min(seq.draft_len, seq.num_tokens + m)
-        seq.num_proposed += proposed
-        seq.num_accepted += m
-        seq.num_verify_steps += 1
-        self.stats.proposed += proposed
-        self.stats.accepted += m
-        self.stats.verify_steps += 1
+        if proposed:
+            seq.num_proposed += proposed
+            seq.num_accepted += m
+            seq.num_verify_steps += 1
+            self.stats.proposed += proposed
+            self.stats.accepted += m
+            self.stats.verify_steps += 1
+            if self.policy is not None:
+                self.policy.observe(seq.seq_id, proposed, m)
         for j, token in enumerate(tokens):
             self._emit(seq, token, out, logprobs[j] if logprobs else None)
             if seq.finished:

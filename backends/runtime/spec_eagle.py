@@ -33,6 +33,11 @@ from .spec import DraftSpec, SpecEngine, _penalised_rows
 class EagleSpecEngine(SpecEngine):
     """A :class:`SpecEngine` whose ``draft.runner`` is an :class:`EagleHead`."""
 
+    # the head reads the target's features of every prompt position, which a cached prefix
+    # never computes (caching the head's KV and the last feature per block would lift this)
+    prefix_cache_refusal = "an EAGLE head needs the target's features of the whole prompt"
+    plain_when_undrafted = False  # the head's features come from the verify forward only
+
     def __init__(self, runner, pool, draft: DraftSpec, *args, **kwargs):
         if not isinstance(draft.runner, EagleHead):
             raise TypeError("EagleSpecEngine needs an EagleHead draft (use spec_engine())")
@@ -50,9 +55,12 @@ class EagleSpecEngine(SpecEngine):
             seq.draft_len = len(seq.prompt_ids) - 1
             seq.draft_feats = feature.to(self.runner.device)[None]
 
+    def _pending(self, seq: Sequence) -> int:
+        return len(seq.draft_feats) if seq.draft_feats is not None else 0
+
     # ---- compute -----------------------------------------------------------------------------
     def _prefill_logits(self, seqs: list[Sequence]) -> torch.Tensor:
-        inputs = [SeqInput(s.prompt_ids, 0, s.pages) for s in seqs]
+        inputs = [self._seq_input(s, s.prompt_ids, 0) for s in seqs]
         logits, feats = self.runner.forward(self.pool, inputs, last_only=True, features=True)
         run = [(s, f) for s, f in zip(seqs, feats, strict=True) if len(s.prompt_ids) > 1]
         if run:  # pairs (f_i, x_{i+1}) of the prompt, i < P - 1

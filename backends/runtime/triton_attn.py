@@ -28,6 +28,13 @@ its own: MLA's latent ``[c_kv | k_pe]`` (``R + dr`` channels, e.g. 512 + 64) the
 lanes, not 1024. MLA's values are the keys' first ``R`` channels (``V_IS_K``): the loaded block
 serves as V as well, as the runtime's absorbed attention does it (:mod:`.attention`).
 
+A layer's sliding window (Gemma 3 and gpt-oss mix windowed and full layers) starts each
+program's key loop at its first query's window: a windowed layer reads only the pages its window
+reaches. Decode splits divide the keys a program reads (from that start), not the whole context.
+Attention sinks (gpt-oss: ``sinks`` [H], one logit per query head in the softmax's denominator,
+with no value) join the running max and sum after the last key block, or in the combine kernel
+when the keys were split.
+
 fp8 KV (``float8_e4m3fn`` pools with one scale per layer and component): rows are widened to
 float32, multiplied by the scale and rounded to the query dtype before the matmuls.
 
@@ -118,7 +125,7 @@ def _online_softmax(s, seen, m_i, l_i, acc):
 # reads against its kernel's signature row by row.
 @triton.jit
 def _paged_attn_kernel(
-    Q, K, V, Out, PageTable, CuQ, Starts, Lse,
+    Q, K, V, Out, PageTable, CuQ, Starts, Lse, Sinks,
     scale, k_scale, v_scale, window, split_len,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
     stride_os, stride_ot, stride_oh, stride_pb, stride_ls, stride_lt,
@@ -126,7 +133,7 @@ def _paged_attn_kernel(
     D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, DV: tl.constexpr,
     BLOCK_DM: tl.constexpr, BLOCK_DT: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr,
-    V_IS_K: tl.constexpr, FP8: tl.constexpr, F32_DOT: tl.constexpr,
+    V_IS_K: tl.constexpr, FP8: tl.constexpr, F32_DOT: tl.constexpr, SINKS: tl.constexpr,
 ):  # fmt: skip
     b, hq = tl.program_id(0), tl.program_id(2)  # hq: G query heads; HEAD_SPLIT share a KV head
     hkv = hq // HEAD_SPLIT
@@ -153,8 +160,9 @@ def _paged_attn_kernel(
     # a window: no key before the block's first window; row r sees keys past w_lo[r]
     lo = tl.where(window > 0, tl.maximum(start + blk * TOKENS - window + 1, 0), 0)
     w_lo = tl.where(window > 0, q_pos - window, -1)  # (branch-free: no type merge)
-    if SPLIT:
-        lo, hi = tl.maximum(lo, split * split_len), tl.minimum(hi, split * split_len + split_len)
+    if SPLIT:  # this split's share of the keys the program reads
+        lo = lo + split * split_len
+        hi = tl.minimum(hi, lo + split_len)
     for k_start in range(lo, hi, BLOCK_N):
         k_pos = k_start + tl.arange(0, BLOCK_N)
         k_ok = k_pos < hi
@@ -172,6 +180,12 @@ def _paged_attn_kernel(
         else:
             v = _load_rows(V + slot * stride_vs + hkv * stride_vh, dv, DV, k_ok, v_scale, q, FP8)
         acc += _dot_pv(p, v, F32_DOT)
+    if SINKS and not SPLIT:  # base 2, as the scores: the sink adds to the sum, not the values
+        sink = tl.load(Sinks + head, mask=row_ok, other=0.0) * 1.4426950408889634
+        m_f = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_f)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.exp2(sink - m_f)
     o_rows = Out + split * stride_os + (q0 + t) * stride_ot + head * stride_oh
     _store_rows(o_rows, dv, DV, row_ok, acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None])
     if SPLIT:  # this split's log-sum-exp (base 2, scaled scores); -inf where it saw no key
@@ -181,17 +195,20 @@ def _paged_attn_kernel(
 
 @triton.jit
 def _combine_splits_kernel(  # rows by role, as _paged_attn_kernel's
-    PartO, Lse, Out, num_splits,
+    PartO, Lse, Out, Sinks, num_splits,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-    DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, SINKS: tl.constexpr,
 ):  # fmt: skip
-    """One (token, head): out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m)."""
+    """One (token, head): out = sum_s 2^(lse_s - m) o_s / (sum_s 2^(lse_s - m) [+ 2^(sink - m)])."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, BLOCK_S)
     ok = sp < num_splits
     lse = tl.load(Lse + sp * stride_ls + t * stride_lt + h, mask=ok, other=float("-inf"))
     m = tl.max(lse, 0)  # finite: the split holding the query's own key saw it
+    if SINKS:
+        sink = tl.load(Sinks + h) * 1.4426950408889634
+        m = tl.maximum(m, sink)
     w = tl.exp2(lse - m)
     d = tl.arange(0, BLOCK_DV)
     o = tl.load(
@@ -199,7 +216,10 @@ def _combine_splits_kernel(  # rows by role, as _paged_attn_kernel's
         mask=ok[:, None] & (d[None, :] < DV),
         other=0.0,
     )
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    total = tl.sum(w, 0)
+    if SINKS:
+        total += tl.exp2(sink - m)
+    out = tl.sum(w[:, None] * o, 0) / total
     tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < DV)
 
 
@@ -225,6 +245,7 @@ def paged_attention(
     v_scale: float = 1.0,
     max_ctx: int | None = None,
     num_splits: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's new queries over its paged context.
 
@@ -235,9 +256,10 @@ def paged_attention(
     sequence; cu_q: [B + 1] int32; starts: [B] int32 position of each sequence's first new
     token; max_q: the most new tokens of a sequence (host int: sizes the grid); window: sliding
     window in keys, or None; k_scale / v_scale: dequantization scales of fp8 caches; max_ctx:
-    the longest context (host int); num_splits: decode only, split each sequence's keys over
-    this many programs, combined by a second kernel (None: :func:`_auto_splits` from
-    ``max_ctx`` and the GPU's SM count). -> [T, H, Dv] in q's dtype.
+    the most keys a sequence's program reads (host int: its context, or with a window at most
+    its span); num_splits: decode only, split each sequence's keys over this many programs,
+    combined by a second kernel (None: :func:`_auto_splits` from ``max_ctx`` and the GPU's SM
+    count); sinks: [H] float32 sink logits, or None. -> [T, H, Dv] in q's dtype.
     """
     T, H, _ = q.shape
     Hkv = k_cache.shape[1]
@@ -251,8 +273,9 @@ def paged_attention(
     blocks = num_splits if num_splits > 1 else triton.cdiv(max_q, block_m // G)
     grid = (B, blocks, Hkv * head_split)
     v = k_cache if v_cache is None else v_cache
+    sink_arg = q if sinks is None else sinks  # any pointer when SINKS is off
     _paged_attn_kernel[grid](
-        q, k_cache, v, part, page_table, cu_q, starts, lse,
+        q, k_cache, v, part, page_table, cu_q, starts, lse, sink_arg,
         scale, k_scale, v_scale, window or 0, split_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v.stride(0), v.stride(1),
         part.stride(0) if num_splits > 1 else 0, part.stride(-3), part.stride(-2),
@@ -261,10 +284,11 @@ def paged_attention(
         D_MAIN=d_main, D_TAIL=d_tail, DV=dv,
         BLOCK_DM=_pow2(d_main), BLOCK_DT=_pow2(d_tail) if d_tail else 16, BLOCK_DV=_pow2(dv),
         BLOCK_M=block_m, BLOCK_N=block_n, TOKENS=block_m // G, V_IS_K=v_cache is None,
-        FP8=k_cache.dtype == torch.float8_e4m3fn, F32_DOT=_f32_dot(q.dtype), num_warps=NUM_WARPS,
+        FP8=k_cache.dtype == torch.float8_e4m3fn, F32_DOT=_f32_dot(q.dtype),
+        SINKS=sinks is not None, num_warps=NUM_WARPS,
     )  # fmt: skip
     if num_splits > 1:
-        _combine(part, lse, out)
+        _combine(part, lse, out, sinks)
     return out
 
 
@@ -279,20 +303,20 @@ def _outputs(q: torch.Tensor, dv: int, num_splits: int):
     return out, part, torch.empty(num_splits, T, H, dtype=torch.float32, device=q.device)
 
 
-def _combine(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
-    """part [S, T, H, Dv] float32, lse [S, T, H] -> out [T, H, Dv]."""
+def _combine(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, sinks=None) -> None:
+    """part [S, T, H, Dv] float32, lse [S, T, H] (sinks [H] float32 or None) -> out [T, H, Dv]."""
     S, T, H, dv = part.shape
     _combine_splits_kernel[(T, H)](
-        part, lse, out, S,
+        part, lse, out, lse if sinks is None else sinks, S,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
-        DV=dv, BLOCK_S=triton.next_power_of_2(S), BLOCK_DV=_pow2(dv),
+        DV=dv, BLOCK_S=triton.next_power_of_2(S), BLOCK_DV=_pow2(dv), SINKS=sinks is not None,
     )  # fmt: skip
 
 
 def _splits(device, max_q, num_splits, programs, max_ctx, block_n) -> tuple[int, int]:
     """-> (key splits, keys per split): decode only; whole key blocks per split, and no split
-    left empty for the longest context."""
+    left empty for the longest span of keys (``max_ctx``)."""
     if max_q != 1:
         return 1, 0
     if num_splits is None:

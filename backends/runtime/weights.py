@@ -2,7 +2,9 @@
 
 Files are found through ``model.safetensors.index.json`` when present, else by globbing
 ``*.safetensors``. Decoder layers at or beyond ``num_layers`` (a self-draft, or DeepSeek-V3's
-multi-token-prediction layer) are skipped without being read.
+multi-token-prediction layer) are skipped without being read. A few checkpoints name what the
+runtime reads under another name (:data:`RENAMES`, as transformers' conversion mapping does):
+those names are changed as the files are read.
 """
 
 from __future__ import annotations
@@ -16,6 +18,16 @@ import torch
 from safetensors import safe_open
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+# (prefix in a checkpoint, the runtime's): Nemotron-H's original "backbone." and "embeddings"
+RENAMES = (("backbone.", "model."), ("model.embeddings.", "model.embed_tokens."))
+
+
+def runtime_name(name: str) -> str:
+    """The runtime's name of a checkpoint tensor (see :data:`RENAMES`)."""
+    for old, new in RENAMES:
+        if name.startswith(old):
+            name = new + name[len(old) :]
+    return name
 
 
 def weight_files(path: str) -> list[str]:
@@ -52,10 +64,11 @@ def load_weights(
     out: dict[str, torch.Tensor] = {}
     for file in weight_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = runtime_name(stored)
                 if beyond_layers(name, num_layers):
                     continue
-                t = f.get_tensor(name)
+                t = f.get_tensor(stored)
                 if t.is_floating_point():
                     t = t.to(dtype)
                 out[name] = t.to(device)

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import InvalidRequest
+
 # sampling_parameters keys taken as the input of the same name (or the name given)
 _JSON_KEYS = {
     "max_tokens": "max_tokens",
@@ -44,24 +46,28 @@ _JSON_FIXED = {"n": 1, "best_of": 1, "skip_special_tokens": True, "detokenize": 
 def _one(name: str, v: Any) -> Any:
     arr = np.asarray(v)
     if arr.size != 1:
-        raise ValueError(f"input {name} must hold exactly one value, got shape {list(arr.shape)}")
+        raise InvalidRequest(
+            f"input {name} must hold exactly one value, got shape {list(arr.shape)}", name
+        )
     x = arr.reshape(-1)[0]
     return x.decode("utf-8", errors="replace") if isinstance(x, bytes) else x
 
 
 def frontend_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
     """``inputs`` with the frontend's names and its JSON parameters turned into this
-    ensemble's inputs; ValueError naming the field for anything it cannot honour."""
+    ensemble's inputs; InvalidRequest naming the field for anything it cannot honour."""
     out = {k: v for k, v in inputs.items() if v is not None}
     if "top_logprobs" in out:  # the input's name (an ensemble output is called logprobs)
         out["logprobs"] = out.pop("top_logprobs")
     if "stop_words" in out:
         if "stop" in out:
-            raise ValueError("give stop or stop_words, not both")
+            raise InvalidRequest("give stop or stop_words, not both", "stop_words")
         out["stop"] = out.pop("stop_words")
     if "exclude_input_in_output" in out:
         if "echo" in out:
-            raise ValueError("give echo or exclude_input_in_output, not both")
+            raise InvalidRequest(
+                "give echo or exclude_input_in_output, not both", "exclude_input_in_output"
+            )
         out["echo"] = not bool(_one("exclude_input_in_output", out.pop("exclude_input_in_output")))
     for flag in ("return_num_input_tokens", "return_num_output_tokens", "return_logprobs"):
         out.pop(flag, None)  # those outputs come with every response
@@ -71,32 +77,34 @@ def frontend_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
     try:
         sp = json.loads(str(_one("sampling_parameters", raw)))
     except json.JSONDecodeError as e:
-        raise ValueError(f"input sampling_parameters is not JSON: {e}") from None
+        raise InvalidRequest(f"input sampling_parameters is not JSON: {e}", SP) from None
     if not isinstance(sp, dict):
-        raise ValueError("input sampling_parameters must be a JSON object")
+        raise InvalidRequest("input sampling_parameters must be a JSON object", SP)
     _logprobs(sp)
     if isinstance(sp.get("seed"), int) and sp["seed"] < 0:
         sp["seed"] %= SEED_MOD
     for key, value in sp.items():
         if key in _JSON_FIXED:
             if value not in (None, _JSON_FIXED[key]):
-                raise ValueError(
+                raise InvalidRequest(
                     f"sampling_parameters.{key} = {value!r} is not supported"
-                    f" (only {_JSON_FIXED[key]!r})"
+                    f" (only {_JSON_FIXED[key]!r})",
+                    SP,
                 )
             continue
         name = "logprobs" if key == "logprobs" else _JSON_KEYS.get(key)
         if name is None:
-            raise ValueError(f"sampling_parameters.{key} is not supported by this server")
+            raise InvalidRequest(f"sampling_parameters.{key} is not supported by this server", SP)
         if value is None:
             continue
         if name in out:
-            raise ValueError(f"{key} given both as an input and in sampling_parameters")
+            raise InvalidRequest(f"{key} given both as an input and in sampling_parameters", SP)
         out[name] = [value] if isinstance(value, str) else value
     return out
 
 
 SEED_MOD = 2**63
+SP = "sampling_parameters"
 
 
 def _logprobs(sp: dict[str, Any]) -> None:
@@ -106,4 +114,4 @@ def _logprobs(sp: dict[str, Any]) -> None:
     if isinstance(lp, bool):  # the chat form: logprobs true/false, top_logprobs N
         sp["logprobs"] = (top or 0) if lp else None
     elif top is not None:
-        raise ValueError("sampling_parameters.top_logprobs needs logprobs: true")
+        raise InvalidRequest("sampling_parameters.top_logprobs needs logprobs: true", SP)

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from kvtransfer import reason_of
+
+from ..runtime.draft_policy import AdaptiveDrafting
 from ..runtime.eagle import head_config
 from ..runtime.kv_pool import KVPool
 from ..runtime.runner import ModelRunner
@@ -31,6 +34,18 @@ def load_stage_draft(params: StageParams, target: ModelRunner) -> ModelRunner | 
     """The draft of this stage, or None when speculative decoding is off."""
     if not params.spec_enabled:
         return None
+    draft = _load_stage_draft(params, target)
+    cfg = getattr(draft, "config", None)
+    if cfg is not None and getattr(cfg, "window_kv_layers", ()):
+        raise ValueError(
+            "a draft with sliding-window and full-attention layers keeps a window entry of its"
+            " own, which the stages do not move yet: use a draft without sliding layers (or a"
+            " self-draft of full-attention layers only), or spec_enabled: false"
+        )
+    return draft
+
+
+def _load_stage_draft(params: StageParams, target: ModelRunner) -> ModelRunner | None:
     if params.draft_path:
         if head_config(params.draft_path) is not None and params.tensor_parallel_size > 1:
             raise ValueError(
@@ -79,14 +94,27 @@ def copy_prefix_kv(src: KVPool, src_pages: list[int], dst: KVPool, dst_pages: li
     dst_b.index_copy_(dim, torch.tensor(dst_pages, device=dst.tensor.device), data)
 
 
+def draft_policy(params: StageParams) -> AdaptiveDrafting | None:
+    """Decode's adaptive drafting parameters (None: ``spec_adaptive`` off, always draft)."""
+    if not params.spec_adaptive:
+        return None
+    return AdaptiveDrafting(probe_interval=params.spec_probe_interval)
+
+
 def make_draft_pool(params: StageParams, draft: ModelRunner) -> KVPool:
     """The draft's KV pool: as many pages of the same page size as the target's pool."""
     return draft.make_pool(params.num_pages, params.page_size, role=DRAFT)
 
 
 def explain_failure(reason: str) -> str:
-    """Add the likely cause to a room failure about the draft entry (decode's error message)."""
-    if ("incompatible layout" in reason and DRAFT in reason) or "draft model differs" in reason:
+    """Add the likely cause to a room failure about the draft entry (decode's error message).
+
+    The one place in the stages that reads a failure's words, because a room failure reaches
+    decode as text only: a prefill's ``Fail`` crosses the wire as a reason string (another
+    process), and the receiver's layout refusal is its own text. kvtransfer parses its own
+    incompatibility messages (``reason_of``); the layout check's words are matched here. It only
+    adds a hint to the message: nothing is decided by it."""
+    if reason_of(reason) == "draft" or ("incompatible layout" in reason and DRAFT in reason):
         return (
             f"{reason} (speculative decoding must be configured identically in prefill and"
             " decode: spec_enabled, draft_model_dir / draft_layers)"
@@ -103,4 +131,6 @@ def spec_stats(engine) -> dict:
         "spec_verify_steps": st.verify_steps,
         "spec_acceptance_rate": st.acceptance_rate,
         "spec_mean_accepted_length": st.mean_accepted_length,
+        "spec_undrafted_steps": st.undrafted_steps,
+        "spec_switched_off": st.switched_off,
     }

@@ -56,6 +56,7 @@ text_output | STRING | 1 | the text these tokens add (stop strings cut)
 output_ids | INT32 | -1 | the tokens of this response
 finish_reason | STRING | 1 | `stop` (EOS, stop string or stop token) or `length` on the last response, else ""
 num_input_tokens | UINT32 | 1 | prompt tokens
+num_cached_tokens | UINT32 | 1 | of those, served from the prefix cache (no one computed them)
 num_output_tokens | UINT32 | 1 | tokens in this response
 logprobs | STRING | 1 | JSON per token `{id: {logprob, rank, decoded_token}}` (chosen + top N), or `null`
 """)  # noqa: E501

@@ -19,6 +19,7 @@ import msgspec
 
 from kvtransfer import INCOMPATIBLE, PROTOCOL_VERSION, Fingerprint, Identity, fingerprint, refusal
 
+from .errors import Incompatible
 from .params import StageParams
 
 log = logging.getLogger(__name__)
@@ -103,10 +104,6 @@ def stage_fingerprint(p: StageParams) -> Fingerprint | None:
 PARAM = "pd_fingerprint"  # request parameter (a JSON string) of a forwarded request
 
 
-class Incompatible(RuntimeError):
-    """A peer of another deployment (the message starts with ``incompatible deployment``)."""
-
-
 def to_param(fp: Fingerprint | None) -> str:
     return "" if fp is None else msgspec.json.encode(fp).decode()
 
@@ -154,7 +151,7 @@ class ForwardCheck:
             n = self.refusals[reason] = self.refusals.get(reason, 0) + 1
         if n <= 5 or n & (n - 1) == 0:
             log.error("refused a forwarded request: %s [%d so far]", message, n)
-        raise Incompatible(message)
+        raise Incompatible(message, reason)  # tagged with its reason (errors.tag_of)
 
     def merged(self, snap: dict) -> dict:
         """A stage's stats snapshot with these refusals added to its control plane's."""

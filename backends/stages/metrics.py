@@ -83,15 +83,29 @@ METRICS = [
            "Exceptions caught in a stage's loop threads (the thread went on)"),
     Metric("pd_dropped_frames_total", C, "dropped_total",
            "Control and cancel frames dropped (garbage, unsigned, stale, replay, hostile, flood)"),
+    # prefix cache (prefix_cache on: prefill counts what it did not compute, decode what it
+    # did not receive)
+    Metric("pd_prefix_cached_tokens_total", C, "prefix_cached_tokens",
+           "Prompt tokens served from the stage's prefix cache"),
+    Metric("pd_prefix_lookup_tokens_total", C, "prefix_lookup_tokens",
+           "Prompt tokens looked up in the stage's prefix cache"),
+    Metric("pd_prefix_evicted_blocks_total", C, "prefix_evicted_blocks",
+           "Cached blocks evicted (pool pressure or the cache's share)"),
+    Metric("pd_prefix_cached_pages", G, "prefix_cached_pages", "Pages the prefix cache holds"),
     # speculative decoding (decode with spec_enabled only)
     Metric("pd_spec_proposed_tokens_total", C, "spec_proposed", "Draft tokens proposed"),
     Metric("pd_spec_accepted_tokens_total", C, "spec_accepted", "Draft tokens the target accepted"),
     Metric("pd_spec_verify_steps_total", C, "spec_verify_steps",
-           "Target verify forwards (per sequence)"),
+           "Target forwards that verified at least one draft (per sequence)"),
     Metric("pd_spec_acceptance_rate", G, "spec_acceptance_rate",
            "Accepted / proposed draft tokens since start"),
     Metric("pd_spec_mean_accepted_length", G, "spec_mean_accepted_length",
            "Tokens per verify step (accepted drafts + 1) since start"),
+    Metric("pd_spec_undrafted_steps_total", C, "spec_undrafted_steps",
+           "Sequence steps decoded without drafting because drafting did not pay (spec_adaptive)"),
+    Metric("pd_spec_switched_off_total", C, "spec_switched_off",
+           "Times drafting was switched off for a sequence (or a sequence started without it"
+           " while drafting did not pay server-wide)"),
 ]  # fmt: skip
 
 
@@ -139,6 +153,9 @@ ROUTER_METRICS = [
            " protocol differs; the reason is in the log and the client's error), else 0"),
     Metric("pd_router_load_tokens", G, "load",
            "Queued prompt tokens the router sees there (its metric + this router's since)"),
+    Metric("pd_router_cached_tokens_total", C, "hit_tokens",
+           "Prompt tokens of the requests routed there that the router expected its prefix cache"
+           " to hold (prompts it routed there before; `local`: decode's own cache)"),
 ]  # fmt: skip
 
 

@@ -7,9 +7,9 @@ that use it, and its documentation; ``docs/configuration.md`` is generated from 
 :func:`parse_params` converts them and raises ``ValueError`` naming the parameter and what it
 accepts, so a bad config fails the model load. A ``config.pbtxt`` lists only what it sets.
 
-A leaf: no I/O, and no stage module but the layer-group policy's dataclass. What needs the
-checkpoint's files (the deployment identity, :mod:`.fingerprint`) is computed by a stage and
-passed in (:meth:`StageParams.transfer_config`).
+A leaf: no I/O, and no stage module but the layer-group policy's dataclass and the secret rule
+(:mod:`.keys`). What needs the checkpoint's files (the deployment identity, :mod:`.fingerprint`)
+is computed by a stage and passed in (:meth:`StageParams.transfer_config`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from dataclasses import dataclass, field, fields, replace
 from kvtransfer import PROTOCOLS, Identity, TransferConfig
 
 from ..runtime.device import resolve_device
+from ..runtime.draft_policy import AdaptiveDrafting
 from ..runtime.dtypes import MODEL_DTYPES
 from ..runtime.kv_quant import KV_CACHE_DTYPES
+from .keys import refuse_weak
 from .policy import LayerGroupPolicy
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -75,6 +77,13 @@ class StageParams:
         " (GPUs: the instance's device and the next N-1)",
     )
     max_batch: int = _p(16, ("decode",), "sequences per continuous-batching step")
+    state_slots: int = _p(
+        0,
+        PD,
+        "state slots of a hybrid model's recurrent layers (gated DeltaNet, Mamba2): one a request"
+        " from its pages' allocation to its end, a fixed size whatever its length (the stage logs"
+        " the bytes a slot holds); 0: twice `max_batch`",
+    )
     max_context: int = _p(2048, ("preprocess", "decode"), "limit on prompt + `max_tokens`")
     max_tokens_limit: int = _p(
         1024,
@@ -97,6 +106,35 @@ class StageParams:
         "rooms decode registered are batched while their prompts fit it (each member's first token"
         " waits for the whole batch); capped by `max_prefill_tokens`",
     )
+    prefix_cache: str = _p(
+        "auto",
+        PD,
+        "reuse the KV of prompt prefixes (page-aligned blocks): prefill computes only what its"
+        " cache lacks, decode registers only what its cache lacks and prefill sends only that;"
+        " `auto` = on where the model can be cached by page (not for recurrent or sliding-window"
+        " layers, or an EAGLE head), `on` = refuse such a model at load, `off`",
+    )
+    prefix_cache_share: float = _p(
+        0.5, PD, "at most this fraction of the KV pool holds cached blocks (LRU eviction)"
+    )
+    kv_events_endpoint: str = _p(
+        "",
+        PD,
+        "publish the prefix cache's blocks as vLLM-format KV events (ZMQ PUB, msgpack"
+        " `KVEventBatch`) on this endpoint, e.g. `tcp://10.0.0.5:5557`, for llm-d's or Dynamo's"
+        " KV-aware routers; empty = off",
+    )
+    kv_events_connect: bool = _p(
+        False,
+        PD,
+        "`false`: the stage listens on `kv_events_endpoint` (subscribers such as Dynamo's KV"
+        " router connect); `true`: it connects there (a router whose SUB socket listens, as"
+        " llm-d's scheduler does)",
+    )
+    kv_events_replay_endpoint: str = _p(
+        "", PD, "the KV events' replay socket (ROUTER: a subscriber asks from a sequence number)"
+    )
+    kv_events_topic: str = _p("", PD, "the KV events' topic (default: empty, every subscriber)")
     prefill_gather_ms: float = _p(
         20.0,
         ("prefill",),
@@ -140,8 +178,10 @@ class StageParams:
     shared_secret: str = _p(
         "",
         ("prefill", "decode", "postprocess", "router"),
-        ">= 16 characters: HMAC-SHA256 on every control and cancel message; empty = the"
-        f" `{SECRET_ENV}` environment variable (`serve.sh` sets a random one per start)",
+        "HMAC-SHA256 key of every control and cancel message; empty = the"
+        f" `{SECRET_ENV}` environment variable (`serve.sh` sets a random one per start); a weak"
+        " one (under 16 characters, under 8 different ones, a repeated piece, the manifest's"
+        " placeholder) fails the load: make one with `openssl rand -hex 32`",
     )
     allow_insecure: bool = _p(
         False,
@@ -197,6 +237,20 @@ class StageParams:
         "a step of more running sequences drafts nothing (on CPU, k + 1 verify rows each then cost"
         " more than they save, see docs/serving.md); 0 = no limit (GPUs)",
     )
+    spec_adaptive: bool = _p(
+        True,
+        ("decode",),
+        "decode measures, online, each sequence's tokens per verify step and the cost of a"
+        " drafted step against a plain one, and stops drafting for a sequence (and for new ones,"
+        " server-wide) while drafting does not pay; it probes again now and then and resumes when"
+        " it pays (backends/runtime/draft_policy.py; lossless either way); false = always draft",
+    )
+    spec_probe_interval: int = _p(
+        AdaptiveDrafting.probe_interval,
+        ("decode",),
+        "with `spec_adaptive`: steps a sequence decodes without drafting before it probes (drafts"
+        " a few steps to re-measure); doubles after each failed probe, up to 8x",
+    )
     prefill_servers: str = _p(
         "",
         ROUTED,
@@ -219,8 +273,16 @@ class StageParams:
     local_prefill_max_tokens: int = _p(
         0,
         ("router",),
-        "conditional disaggregation: prompts of at most this many tokens are prefilled by the"
-        " decode server itself (no KV transfer); `0` = never; very high = colocated serving",
+        "conditional disaggregation: prompts of which at most this many tokens are not in the"
+        " decode server's prefix cache (as far as its router knows) are prefilled by the decode"
+        " server itself (no KV transfer); `0` = never; very high = colocated serving",
+    )
+    route_policy: str = _p(
+        "cache",
+        ROUTED,
+        "how the router picks a prefill server: `cache` = fewest queued tokens plus prompt tokens"
+        " it would compute (the blocks of prompts routed to it before count as cached), `queue` ="
+        " fewest queued tokens",
     )
     local_prefill_busy_tokens: int = _p(
         0,
@@ -270,7 +332,8 @@ class StageParams:
             "prefill_batch_tokens",
             "tensor_parallel_size",
         )
-        for name in (*positive, "draft_layers", "spec_tokens", "failover_attempts"):
+        for name in (*positive, "draft_layers", "spec_tokens", "spec_probe_interval",
+                     "failover_attempts"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(
                     f"parameter {name} must be an integer >= 1, got {getattr(self, name)}"
@@ -289,16 +352,29 @@ class StageParams:
         for name in zero_is_off:
             if getattr(self, name) < 0:
                 raise ValueError(f"parameter {name} must be >= 0 (0 = off)")
+        if self.route_policy not in ("cache", "queue"):
+            raise ValueError(
+                f"parameter route_policy must be cache or queue, got {self.route_policy!r}"
+            )
+        if self.prefix_cache not in ("auto", "on", "off"):
+            raise ValueError(
+                f"parameter prefix_cache must be auto, on or off, got {self.prefix_cache!r}"
+            )
+        if not 0 < self.prefix_cache_share <= 1:
+            raise ValueError("parameter prefix_cache_share must be in (0, 1]")
         if self.route_timeout_s <= 0 or self.probe_interval_s <= 0:
             raise ValueError("parameters route_timeout_s and probe_interval_s must be > 0")
         self.servers()  # prefill_servers parses
         self.policy()  # LayerGroupPolicy checks its own ranges
+        if self.secret:  # the parameter, else the environment variable
+            what = f"the shared secret (parameter shared_secret or ${SECRET_ENV})"
+            refuse_weak(self.secret, what)
         cfg = self.transfer_config()  # and TransferConfig its own
         if not cfg.is_loopback and cfg.shared_secret is None and not self.allow_insecure:
             raise ValueError(
                 f"bootstrap_host {self.bootstrap_host} is not a loopback address but no shared"
-                f" secret is set: set shared_secret (or {SECRET_ENV}, >= 16 characters) on both"
-                " stages, or allow_insecure: true to send unsigned control messages"
+                f" secret is set: set shared_secret (or {SECRET_ENV}: `openssl rand -hex 32`) on"
+                " both stages, or allow_insecure: true to send unsigned control messages"
             )
 
     @property

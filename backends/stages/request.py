@@ -47,6 +47,7 @@ class StageResponse(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     token_ids: list[int] = []  # new tokens (all of them when not streaming)
     logprobs: list[TokenLogprob] = []  # one per token id, when the request asked for them
     num_input_tokens: int = 0  # prompt tokens
+    num_cached_tokens: int = 0  # of those, served from the prefix cache (computed by no one)
     finish_reason: str = ""  # on the last response: stop | length
 
 
@@ -96,6 +97,7 @@ def first_logprob(extra: dict, token: int, sampling: SamplingParams) -> TokenLog
 
 
 FEATURE_KEY = "draft_feature"  # Complete.extra: an EAGLE head's last-prompt-position feature
+CACHED_KEY = "cached_tokens"  # Complete.extra: prompt tokens prefill served from its cache
 
 
 def draft_feature(extra: dict):

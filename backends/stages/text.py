@@ -1,15 +1,18 @@
 """Pre- and post-processing cores (no Triton): request validation and tokenization; responses.
 
 :class:`Preprocessor` turns one request's client inputs into a :class:`StageRequest` (prompt
-ids, sampling parameters, a random 63-bit bootstrap room) or raises ``ValueError`` naming the
-input. Sampling inputs are found by name: every field of
-:class:`~backends.runtime.sampler.SamplingParams` is read from the client input of the same
-name when present (an optional integer given as a negative number means "none", e.g. seed -1;
-list fields such as ``stop`` take every element of the tensor). The request formats of Triton's
-own OpenAI frontend are accepted too (see :mod:`.compat`).
+ids, sampling parameters, a random 63-bit bootstrap room) or raises
+:class:`~.errors.InvalidRequest` naming the input (its ``param``). Sampling inputs are found by
+name: every field of :class:`~backends.runtime.sampler.SamplingParams` is read from the client
+input of the same name when present (an optional integer given as a negative number means
+"none", e.g. seed -1; list fields such as ``stop`` take every element of the tensor). The
+request formats of Triton's own OpenAI frontend are accepted too (see :mod:`.compat`).
 
 The prompt is ``input_ids``, else ``messages`` (a JSON chat, rendered with the checkpoint's chat
-template), else ``text_input`` (with ``apply_chat_template``: one user turn).
+template), else ``text_input`` (with ``apply_chat_template``: one user turn). A text prompt that
+cannot fit the context is refused before it is tokenized, on a bound that needs no tokenization
+(:attr:`~backends.runtime.tokenizer.Tokenizer.max_token_bytes`): a request of megabytes costs a
+length, not a tokenizer pass; every other request is tokenized and checked exactly as before.
 
 :class:`Postprocessor` turns decode's :class:`StageResponse` (text already detokenized, stop
 strings cut, in decode) into the client outputs, and forwards client cancels to decode.
@@ -30,6 +33,7 @@ from ..runtime.sequence import check_context
 from ..runtime.tokenizer import Tokenizer
 from .cancel import CancelSender
 from .compat import frontend_inputs
+from .errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequest
 from .params import StageParams
 from .request import StageRequest, StageResponse, new_room
 
@@ -37,10 +41,12 @@ _SAMPLING_TYPES = typing.get_type_hints(SamplingParams)
 
 
 def scalar(name: str, value: Any) -> Any:
-    """The one value of a one-element input (any shape); ValueError otherwise."""
+    """The one value of a one-element input (any shape); InvalidRequest otherwise."""
     arr = np.asarray(value)
     if arr.size != 1:
-        raise ValueError(f"input {name} must hold exactly one value, got shape {list(arr.shape)}")
+        raise InvalidRequest(
+            f"input {name} must hold exactly one value, got shape {list(arr.shape)}", name
+        )
     return _item(arr.reshape(-1)[0])
 
 
@@ -66,7 +72,7 @@ def _cast(name: str, typ: Any, v: Any) -> Any:
         return float(v)
     if typ is int:
         if isinstance(v, float) and not v.is_integer():
-            raise ValueError(f"input {name} must be an integer, got {v!r}")
+            raise InvalidRequest(f"input {name} must be an integer, got {v!r}", name)
         return int(v)
     if typ is str:
         return str(v)
@@ -78,18 +84,23 @@ def _cast(name: str, typ: Any, v: Any) -> Any:
 
 
 def sampling_from(inputs: dict[str, Any], default_max_tokens: int = 16) -> SamplingParams:
-    """SamplingParams from the client inputs that name its fields (others keep defaults)."""
+    """SamplingParams from the client inputs that name its fields (others keep defaults); each
+    field is checked on its own first, so that an error names the input at fault."""
     values = {}
     for f in dataclasses.fields(SamplingParams):
         if inputs.get(f.name) is None:
             continue
         try:
             values[f.name] = _cast(f.name, _SAMPLING_TYPES[f.name], inputs[f.name])
+            SamplingParams(**{f.name: values[f.name]})  # this field's own range
         except (TypeError, ValueError) as e:
             msg = str(e) if f.name in str(e) else f"input {f.name}: {e}"
-            raise ValueError(msg) from None
+            raise InvalidRequest(msg, f.name) from None
     values.setdefault("max_tokens", default_max_tokens)
-    return SamplingParams(**values)
+    try:
+        return SamplingParams(**values)
+    except ValueError as e:  # fields that do not go together
+        raise InvalidRequest(str(e)) from None
 
 
 class Preprocessor:
@@ -98,38 +109,92 @@ class Preprocessor:
         self.tok = tokenizer or Tokenizer(params.model_path)
         self.vocab = len(self.tok.hf)
 
-    def prompt_ids(self, inputs: dict[str, Any]) -> list[int]:
-        ids = inputs.get("input_ids")
-        if ids is not None and np.asarray(ids).size:
-            ids = [int(t) for t in np.asarray(ids).reshape(-1)]
+    def prompt_ids(self, inputs: dict[str, Any], max_tokens: int | None = None) -> list[int]:
+        """The prompt's token ids. A prompt that cannot fit the context with ``max_tokens``
+        (the request's, if it gives one) more is refused before it is tokenized where a bound
+        shows it (module docstring)."""
+        where = prompt_input(inputs)
+        if where == "input_ids":
+            arr = np.asarray(inputs["input_ids"]).reshape(-1)
+            self._refuse_long(arr.size, max_tokens, where)
+            ids = [int(t) for t in arr]
             bad = [t for t in ids if not 0 <= t < self.vocab]
             if bad:
-                raise ValueError(f"input_ids {bad[:4]} outside the vocabulary [0, {self.vocab})")
+                raise InvalidRequest(
+                    f"input_ids {bad[:4]} outside the vocabulary [0, {self.vocab})", where
+                )
             return ids
-        if inputs.get("messages") is not None:
-            return self.tok.encode_chat(parse_messages(str(scalar("messages", inputs["messages"]))))
+        if where == "messages":
+            chat = parse_messages(str(scalar("messages", inputs["messages"])))
+            return self._encode(self._render(chat, where), False, max_tokens, where)
         text = inputs.get("text_input")
         text = None if text is None else str(scalar("text_input", text))
         if text is None or not text.strip():
-            raise ValueError("text_input is empty: give a prompt (or input_ids, or messages)")
+            raise InvalidRequest(
+                "text_input is empty: give a prompt (or input_ids, or messages)", where
+            )
         chat = inputs.get("apply_chat_template")
-        return self.tok.encode(text, chat=chat is not None and as_bool(scalar("chat", chat)))
+        if chat is not None and as_bool(scalar("apply_chat_template", chat)):
+            text = self._render([{"role": "user", "content": text}], "apply_chat_template")
+            return self._encode(text, False, max_tokens, where)
+        return self._encode(text, True, max_tokens, where)
+
+    def _render(self, chat: list[dict[str, str]], param: str) -> str:
+        try:
+            return self.tok.render_chat(chat)
+        except ValueError as e:  # no chat template in this checkpoint
+            raise InvalidRequest(str(e), param) from None
+
+    def _encode(self, text: str, special: bool, max_tokens: int | None, param: str) -> list[int]:
+        bound = self.tok.max_token_bytes
+        if bound:  # at least ceil(bytes / bound) tokens, known without tokenizing
+            self._refuse_long(-(-len(text.encode("utf-8")) // bound), max_tokens, param)
+        return self.tok.encode_text(text, special)
+
+    def _refuse_long(self, least: int, max_tokens: int | None, where: str) -> None:
+        """Refuse a prompt of at least ``least`` tokens that cannot fit the context."""
+        limit, m = self.params.max_context, max_tokens or 1
+        if least + m > limit:
+            raise InvalidRequest(
+                f"prompt (at least {least} tokens) + max_tokens ({m}) exceeds the context limit"
+                f" of {limit} tokens",
+                self._context_param(least, max_tokens, where),
+                CONTEXT_LENGTH_EXCEEDED,
+            )
+
+    def _context_param(self, prompt: int, max_tokens: int | None, where: str) -> str:
+        """The input at fault when a prompt of ``prompt`` tokens + max_tokens passes the
+        context: the prompt when it cannot fit alone, else a max_tokens the request gave."""
+        return "max_tokens" if max_tokens and prompt < self.params.max_context else where
 
     def build(self, inputs: dict[str, Any]) -> StageRequest:
         """``inputs``: client input name -> value (numpy array or Python value)."""
         p = self.params
         inputs = frontend_inputs(inputs)
+        given = None
         if inputs.get("max_tokens") is not None:
-            m = _cast("max_tokens", int, inputs["max_tokens"])
-            if not 1 <= m <= p.max_tokens_limit:
-                raise ValueError(f"max_tokens must be in [1, {p.max_tokens_limit}], got {m}")
-        ids = self.prompt_ids(inputs)
+            given = _cast("max_tokens", int, inputs["max_tokens"])
+            if not 1 <= given <= p.max_tokens_limit:
+                raise InvalidRequest(
+                    f"max_tokens must be in [1, {p.max_tokens_limit}], got {given}: the limit is"
+                    " this server's repository parameter max_tokens_limit (docs/configuration.md),"
+                    f" which an operator can raise up to max_context - 1 = {p.max_context - 1}",
+                    "max_tokens",
+                )
+        ids = self.prompt_ids(inputs, given)
         room = min(p.default_max_tokens, p.max_tokens_limit, p.max_context - len(ids))
         sampling = sampling_from(inputs, max(1, room))
         bad = [t for t in sampling.stop_token_ids if t >= self.vocab]
         if bad:
-            raise ValueError(f"stop_token_ids {bad[:4]} outside the vocabulary [0, {self.vocab})")
-        check_context(len(ids), sampling.max_tokens, p.max_context)
+            raise InvalidRequest(
+                f"stop_token_ids {bad[:4]} outside the vocabulary [0, {self.vocab})",
+                "stop_token_ids",
+            )
+        try:
+            check_context(len(ids), sampling.max_tokens, p.max_context)
+        except ValueError as e:
+            param = self._context_param(len(ids), given, prompt_input(inputs))
+            raise InvalidRequest(str(e), param, CONTEXT_LENGTH_EXCEEDED) from None
         flag = {k: inputs.get(k) is not None and as_bool(scalar(k, inputs[k])) for k in FLAGS}
         return StageRequest(
             room=new_room(),
@@ -143,21 +208,36 @@ class Preprocessor:
 FLAGS = ("stream", "echo")
 
 
+def prompt_input(inputs: dict[str, Any]) -> str:
+    """The input a request's prompt comes from: ``input_ids`` (when not empty), else
+    ``messages``, else ``text_input``."""
+    ids = inputs.get("input_ids")
+    if ids is not None and np.asarray(ids).size:
+        return "input_ids"
+    return "messages" if inputs.get("messages") is not None else "text_input"
+
+
 def parse_messages(raw: str) -> list[dict[str, str]]:
     """A chat as JSON: ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``."""
     try:
         msgs = json.loads(raw)
     except json.JSONDecodeError as e:
-        raise ValueError(f"input messages is not JSON: {e}") from None
+        raise InvalidRequest(f"input messages is not JSON: {e}", "messages") from None
     if not isinstance(msgs, list) or not msgs:
-        raise ValueError("input messages must be a non-empty JSON list of {role, content}")
+        raise InvalidRequest(
+            "input messages must be a non-empty JSON list of {role, content}", "messages"
+        )
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or set(m) - {"role", "content", "name"}:
-            raise ValueError(f"messages[{i}] must be an object with role and content")
+            raise InvalidRequest(
+                f"messages[{i}] must be an object with role and content", "messages"
+            )
         if m.get("role") not in ("system", "user", "assistant"):
-            raise ValueError(f"messages[{i}].role must be system, user or assistant")
+            raise InvalidRequest(
+                f"messages[{i}].role must be system, user or assistant", "messages"
+            )
         if not isinstance(m.get("content"), str):
-            raise ValueError(f"messages[{i}].content must be a string")
+            raise InvalidRequest(f"messages[{i}].content must be a string", "messages")
     return [{"role": m["role"], "content": m["content"]} for m in msgs]
 
 
@@ -175,6 +255,7 @@ class Postprocessor:
             "output_ids": np.asarray(res.token_ids, dtype=np.int32),
             "finish_reason": np.array([res.finish_reason.encode()], dtype=np.object_),
             "num_input_tokens": np.array([res.num_input_tokens], dtype=np.uint32),
+            "num_cached_tokens": np.array([res.num_cached_tokens], dtype=np.uint32),
             "num_output_tokens": np.array([len(res.token_ids)], dtype=np.uint32),
             "logprobs": np.array([self.logprobs_json(res).encode()], dtype=np.object_),
         }

@@ -8,13 +8,18 @@ plane); ranks 1..N-1 are worker processes it owns (:mod:`backends.runtime.tp.run
 
 from __future__ import annotations
 
+import logging
+
 from kvtransfer import TransferConfig
 
 from ..runtime.device import resolve_device
+from ..runtime.kv_pool import KVPool
 from ..runtime.loader import load_runner
 from ..runtime.runner import ModelRunner
 from ..runtime.tp.runner import TPModelRunner
 from .params import StageParams
+
+log = logging.getLogger(__name__)
 
 
 def load_stage_model(params: StageParams) -> ModelRunner:
@@ -26,6 +31,21 @@ def load_stage_model(params: StageParams) -> ModelRunner:
         tensor_parallel_size=params.tensor_parallel_size,
         kv_cache_dtype=params.kv_cache_dtype,
     )
+
+
+def make_stage_pool(runner: ModelRunner, params: StageParams, name: str) -> KVPool:
+    """The stage's target pool: ``num_pages`` pages and, for a hybrid model, ``state_slots``
+    state slots (0: twice ``max_batch``), whose size it logs."""
+    slots = params.state_slots or 2 * params.max_batch
+    pool = runner.make_pool(params.num_pages, params.page_size, num_slots=slots)
+    if pool.states is not None:
+        spec = pool.states.spec
+        mb = spec.bytes_per_sequence / 1e6
+        log.info(
+            "%s: %d state slots of %s, %.1f MB a request whatever its length (%d layers x %d B)",
+            *(name, slots, spec.kind, mb, spec.num_layers, spec.slot_bytes),
+        )
+    return pool
 
 
 def rank_agents(cfg: TransferConfig, slots: int, runners: dict, pools: dict) -> list:

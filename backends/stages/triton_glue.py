@@ -105,33 +105,43 @@ def response_tensor(pb, res: rq.StageResponse):
     return _bytes_tensor(pb, rq.RESPONSE_TENSOR, rq.encode(res))
 
 
-def error_response(pb, message: str, kind: str = errors.INTERNAL):
+def error_response(pb, message: str, kind: str = errors.INTERNAL, **tag):
     """An error for one request, with the code its kind maps to (backends/stages/errors.py):
     invalid -> INVALID_ARG (HTTP 400), overloaded -> UNAVAILABLE (gRPC UNAVAILABLE, HTTP 503),
-    else INTERNAL."""
+    else INTERNAL. Its message starts with the kind's tag (``errors.tagged``; ``tag``: its
+    param and code), since Triton's streaming gRPC API carries no code."""
     code = {
         errors.INVALID: pb.TritonError.INVALID_ARG,
         errors.OVERLOADED: pb.TritonError.UNAVAILABLE,
     }.get(kind, pb.TritonError.INTERNAL)
-    return pb.InferenceResponse(output_tensors=[], error=pb.TritonError(message, code))
+    text = errors.tagged(message, kind, **tag)
+    return pb.InferenceResponse(output_tensors=[], error=pb.TritonError(text, code))
 
 
 def exception_response(pb, where: str, exc: BaseException):
     """The error response for an exception a stage core raised for one request."""
-    return error_response(pb, f"{where}: {exc}", errors.kind_of(exc))
+    return error_response(pb, f"{where}: {exc}", **errors.tag_of(exc))
 
 
 def answer_each(pb, requests, where: str, handle) -> None:
     """``handle(request, sender)`` for each request of a decoupled model's batch; an exception
     it raises answers that request alone, with its error as the final response (invalid: 400,
-    overloaded: 503, else internal)."""
+    overloaded: 503, else internal). A request that cannot be answered even so (its response
+    sender is closed: the client is gone) is logged, and the rest of the batch goes on."""
     for request in requests:
-        sender = request.get_response_sender()
+        try:
+            sender = request.get_response_sender()
+        except Exception:  # noqa: BLE001 - this request only: no sender, nobody to answer
+            log.exception("%s: a request has no response sender; skipped", where)
+            continue
         try:
             handle(request, sender)
         except Exception as e:  # this request only
             final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-            sender.send(exception_response(pb, where, e), flags=final)
+            try:
+                sender.send(exception_response(pb, where, e), flags=final)
+            except Exception as gone:  # noqa: BLE001 - its client is gone; the others wait
+                log.warning("%s: could not answer a request with its error %r: %s", where, e, gone)
 
 
 class StageMetrics:
@@ -264,8 +274,15 @@ def exit_when_a_rank_dies(name: str, *runners, grace_s: float = 2.0) -> None:
     if not checks:
         return
 
+    def failure() -> str | None:
+        try:
+            return next((w for w in (c() for c in checks) if w), None)
+        except Exception:  # a check that raises never ends the watch: asked again
+            log.exception("%s: checking the tensor-parallel ranks failed", name)
+            return None
+
     def watch() -> None:
-        while not (why := next((w for w in (c() for c in checks) if w), None)):
+        while not (why := failure()):
             time.sleep(0.5)
         _say(f"{name}: {why}: this stage process exits so that it is loaded again")
         time.sleep(grace_s)

@@ -59,7 +59,11 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 LAYOUTS = {
     "smollm2-gqa": dict(attn="gqa", num_layers=30, kv_heads=3, head_dim=64),
     "deepseek-mla": dict(attn="mla", num_layers=61, head_dim=576, kv_lora_rank=512, rope_dim=64),
+    # the 8B shapes of benchmarks.gpu_roofline (128 and 144 KiB a token in bfloat16)
+    "llama8b-gqa": dict(attn="gqa", num_layers=32, kv_heads=8, head_dim=128),
+    "qwen3-8b-gqa": dict(attn="gqa", num_layers=36, kv_heads=8, head_dim=128),
 }
+DEFAULT_LAYOUTS = ("smollm2-gqa", "deepseek-mla")  # 94 and 288 MB at 4K tokens
 MODES = ("link", "fragmented", "contiguous", "raw")
 MODULE = "benchmarks.transfer"  # how it is run (and re-run inside a namespace)
 
@@ -328,7 +332,7 @@ def one_mode(mode, i, tx, te, conn, session, src, dst, groups, rng, args, data) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n")[0])
-    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--layouts", nargs="+", default=list(DEFAULT_LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--page-sizes", nargs="+", type=int, default=[1, 16, 64])
     ap.add_argument("--headline-page", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=4096)

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 CONTROL_FRAME_BYTES = 64 << 10  # Ack / Complete / Fail / Abort / Ping / Pong: < 1 KiB each
 TICK_S = 0.02
 CALL_TIMEOUT_S = 10.0
+CLOSE_LINGER_MS = 200  # close() gives queued frames this long to leave
 
 __all__ = ["ControlLoop", "ReleaseCallback", "TransferFailed"]
 
@@ -54,10 +55,14 @@ class ControlLoop:
     name = "kv-control"
 
     def __init__(
-        self, config: TransferConfig, layouts: dict[str, EntryLayout], tensors: dict | None
+        self,
+        config: TransferConfig,
+        layouts: dict[str, EntryLayout] | None = None,
+        tensors: dict | None = None,
     ):
-        """The side's engine over its pool entries ``layouts`` (role -> layout), and the pools'
-        ``tensors`` (role -> tensor, optional: staging and kv_checksum read through them)."""
+        """The side's engine over its pool entries ``layouts`` (role -> layout; None: a loop
+        without a data plane, control messages only), and the pools' ``tensors`` (role ->
+        tensor, optional: staging and kv_checksum read through them)."""
         self.config = config
         self.rooms = RoomTable(config.tombstones)
         self.transfer_stats = TransferStats()
@@ -79,7 +84,10 @@ class ControlLoop:
         self.poller.register(self._wake_r, zmq.POLLIN)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-        self._open_engine(layouts)
+        self.engine: Engine | None = None
+        self.layouts: dict[str, EntryLayout] = {}
+        if layouts is not None:
+            self._open_engine(layouts)
         self._keep_tensors(tensors)
         self.faults = Faults.from_env()  # tests only: KVTRANSFER_FAULTS
         if self.faults.active:
@@ -274,7 +282,7 @@ class ControlLoop:
         snap["dropped_frames"] = dict(self.dropped)
         snap["dropped_total"] = sum(self.dropped.values())
         snap["refusals"] = dict(self.refusals)
-        snap["loop_errors"] = self.loop_errors + self.engine.worker_errors
+        snap["loop_errors"] = self.loop_errors + (self.engine.worker_errors if self.engine else 0)
         return snap
 
     def stats_for(self, room: int) -> dict | None:
@@ -317,10 +325,10 @@ class ControlLoop:
         os.write(self._wake_w, b"x")
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
-        self.ctx.destroy(linger=0)
+        self.ctx.destroy(linger=CLOSE_LINGER_MS)  # a last Abort or Fail still goes out
         os.close(self._wake_r)
         os.close(self._wake_w)
-        if getattr(self, "engine", None) is not None:
+        if self.engine is not None:
             self.engine.close()
 
     # ---- for subclasses ----------------------------------------------------------------------

@@ -65,7 +65,8 @@ from .identity import Fingerprint
 PROTOCOL_VERSION = 9
 
 Scalar = int | float | str
-SigValue = int | str | list[int]  # a layout signature's field (EntryLayout.signature)
+# a layout signature's field (EntryLayout.signature): segments are a list of [heads, elems]
+SigValue = int | str | list[int | list[int]]
 ExtraValue = int | float | str | list[Scalar]
 
 

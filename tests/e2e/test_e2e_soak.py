@@ -1,6 +1,8 @@
 """The soak's CI variant: benchmarks.soak with 80 mixed requests (prompts up to 250 tokens, up to
 24 new tokens; cancels, injected transfer faults, a prefill stage process killed half way)
-against a real server of its own."""
+against a real server of its own, through the OpenAI front with an API key (the official SDK):
+each request equals its reference, gets a clear error in OpenAI's shape, or is cancelled; the
+key is required; nothing is left in use or held at the end."""
 
 from __future__ import annotations
 
@@ -23,5 +25,7 @@ def test_soak_80_requests_end_well_and_leak_nothing():
     failed = {k: v for k, v in result.get("checks", {}).items() if not v}
     assert result["ok"], f"failed checks {failed}; result {result}"
     assert proc.returncode == 0
-    assert result["requests"] == 80
+    assert result["requests"] == 80 and result["front"] == "openai"
+    assert result["checks"]["api_key_required"] and result["checks"]["errors_in_openai_shape"]
+    assert result["checks"]["no_request_held_at_end"]
     assert result["prefill_reloads"] >= 1, "the killed prefill process was not reloaded"

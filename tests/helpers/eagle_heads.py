@@ -57,6 +57,27 @@ def trained_head(target_ckpt: str, draft_vocab: int = 96) -> str:
         te.main(["--target", target_ckpt, "--out", path, "--prompts", "48", "--eval-prompts",
                  "8", "--max-tokens", "16", "--draft-vocab", str(draft_vocab), "--heads", "4",
                  "--kv-heads", "2", "--head-dim", "16", "--intermediate", "96", "--epochs", "8",
-                 "--lr", "3e-3", "--minutes", "0.5"])  # fmt: skip
+                 "--lr", "3e-3", "--minutes", "0.5", "--work", ""])  # fmt: skip
         _HEADS[key] = path
     return _HEADS[key]
+
+
+def add_same_prompt(engine, prompt: list[int], first: int, params: list) -> torch.Tensor:
+    """One prefilled request per ``params`` to an EAGLE engine (page i of both pools each),
+    all with ``prompt`` and first token ``first``, as PD hands them over: the target's KV and
+    the head's KV of the prompt pairs computed once into page 0 and copied to every page,
+    and the last prompt position's feature. -> the target's logits after ``first`` [V]."""
+    from backends.runtime.paged import SeqInput
+
+    target, head, dpool = engine.runner, engine.draft.runner, engine.draft.pool
+    (t_logits,), (f,) = target.forward(engine.pool, [SeqInput(prompt + [first], 0, [0])],
+                                       features=True)  # fmt: skip
+    n = len(prompt) - 1
+    head.forward_head(dpool, [SeqInput(prompt[1:], 0, [0])], [f[:n]], logits=False)
+    engine.pool.tensor[:, :, 1:] = engine.pool.tensor[:, :, :1]  # the same prompt KV per page
+    dpool.tensor[:, :, 1:] = dpool.tensor[:, :, :1]
+    pages, dpages = engine.pool.alloc(len(params)), dpool.alloc(len(params))
+    for i, sp in enumerate(params):
+        engine.add_prefilled(f"s{i}", prompt, [pages[i]], first, sp, draft_pages=[dpages[i]],
+                             draft_feature=f[n])  # fmt: skip
+    return t_logits[-1]

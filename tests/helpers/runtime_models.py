@@ -121,6 +121,135 @@ def _deepseek_v2():
     return DeepseekV2ForCausalLM(cfg)
 
 
+# the attention families: GQA with 2 KV heads of 16 channels; a sliding window of 16 keys where
+# the family has one (the tests' prompts run past it)
+FAMILY = dict(COMMON, num_key_value_heads=2, head_dim=16)
+WINDOW = 16
+
+
+def _qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(Qwen3Config(**FAMILY, tie_word_embeddings=False))
+
+
+def _qwen3_moe():
+    """8 experts, top 2 renormalised; layer 1 a dense MLP (mlp_only_layers)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        **FAMILY,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    )
+    return Qwen3MoeForCausalLM(cfg)
+
+
+def _gemma3():
+    """Sliding layers 0-2 (window 16, their own rope base), layer 3 global (linear rope
+    scaling); a softmax scale of 24 ** -0.5 (not the head dim's); logits soft-capped."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        **FAMILY,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+        },
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=30.0,
+    )
+    return Gemma3ForCausalLM(cfg)
+
+
+def _gpt_oss():
+    """Sliding (window 16) and full layers alternating, sinks, 8 experts (top 2), YaRN."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(**FAMILY, sliding_window=WINDOW, num_local_experts=8, num_experts_per_tok=2)
+    return GptOssForCausalLM(cfg)
+
+
+# the recurrent hybrids: 4 layers, a GQA attention layer (2 KV heads of 16 channels) among
+# gated DeltaNet (2 key heads of 8, 4 value heads of 16: grouped) or Mamba2 layers (4 heads of
+# 16, 2 groups, state 16, chunks of 16 tokens) and, in Nemotron-H, an MLP-only layer
+HYBRID = dict(COMMON, num_key_value_heads=2, head_dim=16)
+# weights of std 0.05 (not COMMON's 0.15): with 0.15 the delta rule's chunk solve amplified
+# rounding so much that transformers' own bfloat16 logits were 3.4 off its float32 ones (0.05:
+# 0.1 - 1.3) and float32 5e-4 off float64; the greedy outputs still vary
+DELTANET = dict(HYBRID, initializer_range=0.05, linear_conv_kernel_dim=4)
+DELTANET.update(linear_key_head_dim=8, linear_value_head_dim=16)
+DELTANET.update(linear_num_key_heads=2, linear_num_value_heads=4)
+
+
+def _spread_norms(model, std: float = 0.1) -> None:
+    """Norm weights off their init (Qwen3-Next's (1 + w) zeros, the gated norms' ones), so the
+    tests see each norm's weight applied."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * std)
+
+
+def _hybrid(name: str, **fields):
+    """transformers' ``{name}ForCausalLM`` of ``{name}Config(**fields)``, its norms spread."""
+    import transformers
+
+    config = getattr(transformers, f"{name}Config")(**fields)
+    model = getattr(transformers, f"{name}ForCausalLM")(config)
+    _spread_norms(model)
+    return model
+
+
+def _qwen3_next():
+    """Layers: DeltaNet x 3, gated attention (rotary on 4 of 16 channels); MoE of 4 experts
+    (top 2) with a gated shared expert, layer 1 a dense MLP."""
+    moe = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4)
+    return _hybrid("Qwen3Next", **DELTANET, **moe, num_experts_per_tok=2, mlp_only_layers=[1])
+
+
+def _qwen3_5():
+    """Qwen3.5 text: Qwen3-Next's layers with split input projections and dense MLPs."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**DELTANET))
+    _spread_norms(model)
+    return model
+
+
+MAMBA_LAYERS = ["linear_attention", "mlp", "full_attention", "linear_attention"]
+
+
+def _nemotron_h():
+    """Layers: Mamba2, MLP (relu^2), attention (no rotary), Mamba2 (4 heads of 16, 2 groups,
+    state 16, chunks of 16)."""
+    mamba = dict(ssm_state_size=16, mamba_num_heads=4, mamba_head_dim=16, n_groups=2)
+    return _hybrid("NemotronH", **HYBRID, **mamba, layers_block_type=MAMBA_LAYERS, chunk_size=16)
+
+
+def _granite_hybrid():
+    """Granite 4.0-H: Mamba2, attention (rotary), Mamba2 x 2 (4 heads of 32, 2 groups, state
+    16, chunks of 16); MoE of 4 experts (top 2) plus the shared MLP; every multiplier != 1."""
+    mamba = dict(mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=16)
+    moe = dict(num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32)
+    scales = dict(embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0)
+    return _hybrid(
+        "GraniteMoeHybrid",
+        **dict(HYBRID, intermediate_size=32),
+        **mamba,
+        **moe,
+        **scales,
+        layer_types=["linear_attention", "full_attention"] + ["linear_attention"] * 2,
+        position_embedding_type="rope",
+        attention_multiplier=0.2,
+    )
+
+
 BUILDERS = {
     "llama": _llama,
     "qwen2": _qwen2,
@@ -128,7 +257,32 @@ BUILDERS = {
     "mistral": _mistral,
     "deepseek_v3": _deepseek_v3,
     "deepseek_v2": _deepseek_v2,
+    "qwen3": _qwen3,
+    "qwen3_moe": _qwen3_moe,
+    "gemma3": _gemma3,
+    "gpt_oss": _gpt_oss,
+    "qwen3_next": _qwen3_next,
+    "qwen3_5": _qwen3_5,
+    "nemotron_h": _nemotron_h,
+    "granite_hybrid": _granite_hybrid,
 }
+
+# kinds whose initialisation repeats one token (FACTS: Qwen3-MoE, Gemma 3) or leaves the parts
+# under test trivial (zero expert biases, unit norms): every tensor re-drawn, normal(0, std);
+# Gemma's norms (applied as 1 + w) and sinks get their own spread
+# (stds picked by the variety of greedy outputs of a few prompts)
+REDRAW = {"qwen3_moe": 0.15, "gemma3": 0.02, "gpt_oss": 0.06}
+REDRAW_SPREAD = {"norm.weight": 0.3, "sinks": 1.0}
+
+
+def _redraw(model, std: float) -> None:
+    gemma = "gemma" in type(model).__name__.lower()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            spread = next((v for k, v in REDRAW_SPREAD.items() if name.endswith(k)), None)
+            if name.endswith("norm.weight") and not gemma:
+                continue  # ones: leave them (a norm's scale, not under test here)
+            p.copy_(torch.randn_like(p) * (std if spread is None else spread))
 
 
 @functools.cache
@@ -136,6 +290,8 @@ def checkpoint(kind: str) -> str:
     """Directory of the tiny ``kind`` checkpoint (built on first use)."""
     torch.manual_seed(1234)
     model = BUILDERS[kind]().eval()
+    if kind in REDRAW:
+        _redraw(model, REDRAW[kind])
     with torch.no_grad():  # exercise the bias path of V3 routing
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

@@ -8,6 +8,12 @@ Mooncake write was submitted (``fence_log()``).
 ``batch_of=N`` makes the compute thread wait (at most 30 s) until N rooms are ready before it
 takes a batch, so a test can have N rooms prefilled in one forward (``submit_all``);
 ``fail_room=R`` makes every ``send_group`` of room R raise (one room of a batch failing).
+``fail_batch="first_tokens"`` makes the first batch's logprobs raise (in the batch's sampling
+step), ``fail_batch="batch"`` the first batch itself (an unexpected error of the compute thread,
+before the forward), ``fail_batch="take"`` the compute loop's first pick of a batch; later ones
+run as usual.
+``slow_forward_s=S`` makes every forward wait S seconds before it starts (and records when it
+started and returned, and when the sender closed: ``close(join_s)``).
 """
 
 from __future__ import annotations
@@ -92,6 +98,18 @@ def _hold_batches(worker, n: int, sizes: list[int]) -> None:
     prefill_worker.take = held
 
 
+def _skip_sends_of(worker, role: str) -> None:
+    """Entry ``role`` never leaves prefill (its groups are dropped): what a PD that moved only
+    part of a hybrid model's state would do."""
+    send = worker.sender.send_group
+
+    def all_but_role(room, r, *args, **kwargs):
+        if r != role:
+            send(room, r, *args, **kwargs)
+
+    worker.sender.send_group = all_but_role
+
+
 def _fail_sends_of(worker, room: int) -> None:
     send = worker.sender.send_group
 
@@ -101,6 +119,77 @@ def _fail_sends_of(worker, room: int) -> None:
         return send(r, *args, **kwargs)
 
     worker.sender.send_group = failing
+
+
+def _fail_first_batch(where: str) -> None:
+    from backends.stages.prefill import batch
+    from backends.stages.prefill import worker as prefill_worker
+
+    module, name = {
+        "first_tokens": (batch, "token_logprobs"),
+        "batch": (prefill_worker, "compute"),
+        "take": (prefill_worker, "take"),  # the compute loop itself, before any room is taken
+    }[where]
+    real, calls = getattr(module, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:  # a KeyError, as a bug in logprobs could raise: not a room in use
+            raise KeyError(f"injected failure in {name}")
+        return real(*args, **kwargs)
+
+    setattr(module, name, failing)
+
+
+def _slow_forwards(worker, delay: float, started: threading.Event) -> dict:
+    log: dict = {}
+    forward, close = worker.runner.prefill_batch, worker.sender.close
+
+    def slow(*args, **kwargs):
+        log["forward_started"] = time.time()
+        started.set()
+        time.sleep(delay)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            log["forward_returned"] = time.time()
+
+    def logged_close():
+        log["sender_closed"] = time.time()
+        close()
+
+    worker.runner.prefill_batch, worker.sender.close = slow, logged_close
+    return log
+
+
+def _submit(worker, reqs, results: dict) -> None:
+    """Submit every (room, prompt) as serving does; ``results[room]`` = (first token, error)
+    once the worker answered it."""
+    from backends.runtime.sampler import SamplingParams
+    from backends.stages.request import StageRequest
+
+    def on_done(res):
+        results[res.room] = (res.first_token, res.error)
+
+    for room, ids in reqs:
+        sp = SamplingParams(max_tokens=1)
+        worker.submit(StageRequest(room=room, prompt_ids=ids, sampling=sp), on_done)
+
+
+def _close(worker, join_s: float, started: threading.Event, log: dict, results: dict) -> dict:
+    """Close the worker once a forward started (if one is slowed): what happened, and when."""
+    started.wait(60)
+    called = time.time()
+    worker.close(drain_s=5.0, join_s=join_s)
+    return {
+        **log,
+        "close_called": called,
+        "close_returned": time.time(),
+        "compute_alive": worker._thread.is_alive(),
+        "status": {room: worker.sender.poll(room).name for room in results},
+        "results": dict(results),
+        "pages_in_use": worker.pages_in_use,
+    }
 
 
 def _submit_all(worker, reqs) -> list:
@@ -122,7 +211,8 @@ def _submit_all(worker, reqs) -> list:
 
 
 def _serve(conn, params_kwargs: dict, fail_role: str | None, fence_delay: float,
-           batch_of: int = 0, fail_room: int | None = None) -> None:  # fmt: skip
+           batch_of: int = 0, fail_room: int | None = None, faults: dict | None = None,
+           ) -> None:  # fmt: skip
     os.environ.setdefault("GLOG_minloglevel", "2")
     from backends.runtime.sampler import SamplingParams
     from backends.stages.params import StageParams
@@ -137,12 +227,35 @@ def _serve(conn, params_kwargs: dict, fail_role: str | None, fence_delay: float,
     sizes: list[int] = []  # of every batch the compute thread took
     _hold_batches(worker, batch_of, sizes)
     log = _slow_fences(worker, fence_delay) if fence_delay else {}
+    faults = faults or {}
+    if faults.get("fail_batch"):
+        _fail_first_batch(faults["fail_batch"])
+    if faults.get("skip_role"):
+        _skip_sends_of(worker, faults["skip_role"])
+    started, submitted = threading.Event(), {}  # a slowed forward started; room -> result
+    if faults.get("slow_forward_s"):
+        log = _slow_forwards(worker, faults["slow_forward_s"], started)
+    else:
+        started.set()
     conn.send(worker.bootstrap_addr)
+    closed = False
     while True:
         msg = conn.recv()
         if msg is None:
-            worker.close()
+            if not closed:
+                worker.close()
             return
+        if msg == "stats":
+            conn.send(worker.stats())
+            continue
+        if msg[0] == "submit":
+            _submit(worker, msg[1], submitted)
+            conn.send(True)
+            continue
+        if msg[0] == "close":
+            conn.send(_close(worker, msg[1], started, log, submitted))
+            closed = True
+            continue
         if msg == "pages_in_use":
             conn.send(worker.pages_in_use)
             continue
@@ -160,10 +273,13 @@ def _serve(conn, params_kwargs: dict, fail_role: str | None, fence_delay: float,
 
 class PrefillProcess:
     def __init__(self, fail_role: str | None = None, fence_delay_s: float = 0.0,
-                 batch_of: int = 0, fail_room: int | None = None, **params_kwargs):  # fmt: skip
+                 batch_of: int = 0, fail_room: int | None = None, fail_batch: str | None = None,
+                 slow_forward_s: float = 0.0, skip_role: str | None = None,
+                 **params_kwargs):  # fmt: skip
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        args = (child, params_kwargs, fail_role, fence_delay_s, batch_of, fail_room)
+        faults = dict(fail_batch=fail_batch, slow_forward_s=slow_forward_s, skip_role=skip_role)
+        args = (child, params_kwargs, fail_role, fence_delay_s, batch_of, fail_room, faults)
         self.proc = ctx.Process(target=_serve, args=args, daemon=True)
         self.proc.start()
         if not self.conn.poll(120):
@@ -182,6 +298,23 @@ class PrefillProcess:
         """Submit every (room, prompt) as serving does (compute once decode registered) and wait
         for all: ([(first token, error)], sizes of the batches the compute thread took)."""
         self.conn.send(("submit_all", reqs))
+        return self.conn.recv()
+
+    def submit(self, reqs: list[tuple[int, list[int]]]) -> None:
+        """Submit every (room, prompt) and return at once (results: ``close``)."""
+        self.conn.send(("submit", reqs))
+        self.conn.recv()
+
+    def close(self, join_s: float) -> dict:
+        """Close the worker (``join_s``: its bound on the compute thread) once a slowed forward
+        started: times (forward started / returned, sender closed, close called / returned),
+        whether the compute thread still runs, each submitted room's status and result, and the
+        pages still in use."""
+        self.conn.send(("close", join_s))
+        return self.conn.recv()
+
+    def stats(self) -> dict:
+        self.conn.send("stats")
         return self.conn.recv()
 
     def fence_log(self) -> dict:

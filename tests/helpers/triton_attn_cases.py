@@ -52,8 +52,9 @@ def build(seqs, page_size, hkv, dk, dv, dtype, mla=False, seed=0):
 
 
 def reference(q, k_cache, v_cache, page_table, cu_q, starts, page_size, scale, v_dim, window,
-              k_scale=1.0, v_scale=1.0):  # fmt: skip
-    """Dense float64: every sequence's context gathered slot by slot, masked softmax."""
+              k_scale=1.0, v_scale=1.0, sinks=None):  # fmt: skip
+    """Dense float64: every sequence's context gathered slot by slot, masked softmax (with a
+    sink logit per head in its denominator where ``sinks`` [H] is given)."""
     q = q.double()
     H = q.shape[1]
     out = torch.zeros(q.shape[0], H, v_dim if v_cache is None else v_cache.shape[2],
@@ -72,13 +73,21 @@ def reference(q, k_cache, v_cache, page_table, cu_q, starts, page_size, scale, v
         seen = pos[None, :] <= qpos[:, None]
         if window:
             seen &= pos[None, :] > qpos[:, None] - window
-        p = torch.softmax(s.masked_fill(~seen, float("-inf")), -1)
+        s = s.masked_fill(~seen, float("-inf"))
+        if sinks is None:
+            p = torch.softmax(s, -1)
+        else:
+            sink = sinks.double()[:, None, None]  # [H, 1, 1]
+            m = torch.maximum(s.amax(-1, keepdim=True), sink)
+            e = (s - m).exp()
+            p = e / (e.sum(-1, keepdim=True) + (sink - m).exp())
         out[q0:q1] = torch.einsum("htl,lhd->thd", p, v)
     return out
 
 
 def run_case(ta, case, page_size, H, hkv, dk, dv, window, dtype=torch.float32, mla=False,
-             kv_dtype=None, scales=(1.0, 1.0), seed=0, splits=None, device="cpu"):  # fmt: skip
+             kv_dtype=None, scales=(1.0, 1.0), seed=0, splits=None, device="cpu",
+             sinks=False):  # fmt: skip
     seqs = CASES[case]
     a = build(seqs, page_size, hkv, dk, dv, dtype, mla, seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -90,18 +99,19 @@ def run_case(ta, case, page_size, H, hkv, dk, dv, window, dtype=torch.float32, m
     elif v_cache is not None:
         v_cache = v_cache.to(dtype)
     scale = dk**-0.5
+    sink = torch.linspace(-2.0, 3.0, H) if sinks else None  # [H] float32
     on = {n: t.to(device) for n, t in a.items() if isinstance(t, torch.Tensor)}
     out = ta.paged_attention(
         q.to(device), k_cache.to(device), None if v_cache is None else v_cache.to(device),
         on["page_table"], on["cu_q"], on["starts"], a["max_q"], page_size,
         scale, v_dim=dv if mla else None, rope_dim=dk - dv if mla else 0, window=window,
         k_scale=scales[0], v_scale=scales[1], max_ctx=max(st + n for st, n in seqs),
-        num_splits=splits,
+        num_splits=splits, sinks=None if sink is None else sink.to(device),
     )  # fmt: skip
     ref = reference(
         q, k_cache.float() if kv_dtype else k_cache,
         None if v_cache is None else (v_cache.float() if kv_dtype else v_cache),
-        a["page_table"], a["cu_q"], a["starts"], page_size, scale, dv, window, *scales,
+        a["page_table"], a["cu_q"], a["starts"], page_size, scale, dv, window, *scales, sink,
     )  # fmt: skip
     assert out.dtype == dtype and out.shape == ref.shape
     return out.cpu().double(), ref
@@ -172,6 +182,20 @@ def suite() -> dict[str, tuple[dict, float]]:
             dict(case="decode", page_size=1, H=4, hkv=1, dk=48, dv=32, window=None, dtype=dt,
                  mla=True), tol,
         )  # fmt: skip
+    # attention sinks (gpt-oss): after the last key block, or in the combine kernel (split)
+    for case, w in (("prefill", None), ("extend", 5), ("decode", 5)):
+        s[f"sinks-gqa-{case}-window{w}"] = (
+            dict(case=case, page_size=4, H=6, hkv=2, dk=16, dv=16, window=w, sinks=True),
+            1e-5,
+        )
+    s["sinks-gqa-longdecode-window5-split"] = (
+        dict(case="longdecode", page_size=16, H=6, hkv=2, dk=16, dv=16, window=5, splits=4,
+             sinks=True), 1e-5,
+    )  # fmt: skip
+    s["sinks-bfloat16-gqa-extend"] = (
+        dict(case="extend", page_size=16, H=6, hkv=2, dk=16, dv=16, window=None, sinks=True,
+             dtype=torch.bfloat16), 2e-2,
+    )  # fmt: skip
     s["fp8-float16-gqa-extend"] = (
         dict(case="extend", page_size=16, H=6, hkv=2, dk=16, dv=16, window=None,
              dtype=torch.float16, kv_dtype=torch.float8_e4m3fn, scales=(0.05, 0.02)), 3e-3,
@@ -179,7 +203,8 @@ def suite() -> dict[str, tuple[dict, float]]:
     return s
 
 
-RUNTIME_KINDS = ("llama", "mistral", "deepseek_v3")  # GQA, GQA + sliding window 16, MLA
+# GQA, GQA + sliding window 16, MLA; per-layer windows + sinks (gpt-oss)
+RUNTIME_KINDS = ("llama", "mistral", "deepseek_v3", "gpt_oss")
 
 
 def runtime_cases() -> dict[str, dict]:
@@ -310,6 +335,8 @@ def graph_cases(calls: list) -> dict[str, dict]:
         name = f"graphs-{kind}" + ("-torch-ops" if fused == "torch" else "")
         results[name] = _graph_case(kind, fused, fallback=False)
     results["graphs-llama-fallback"] = _graph_case("llama", "auto", fallback=True)
+    # per-layer windows (the views made on the graphs' buffers), the embedding multiplier
+    results["graphs-gemma3"] = _graph_case("gemma3", "auto", fallback=False)
     return results
 
 

@@ -47,12 +47,33 @@ class Server:
             return int(f.read())
 
 
+def generated_ids(srv: Server, fields: dict, stream: bool) -> list[int]:
+    """The token ids one HTTP generate request returns (streamed or not); asserts no error."""
+    if stream:
+        events = http_generate_stream(srv, {**fields, "stream": True})
+        assert all("error" not in e for e in events), events
+        return [t for e in events for t in _as_list(e["output_ids"])]
+    out = http_generate(srv, fields)
+    assert out["status"] == 200, out
+    return _as_list(out["output_ids"])
+
+
+def _as_list(x) -> list:
+    return x if isinstance(x, list) else [x]
+
+
 def launch(
-    tmp, sets: list[str], instances: list[str] = (), repo_args: list[str] = (), env: dict = None
+    tmp,
+    sets: list[str],
+    instances: list[str] = (),
+    repo_args: list[str] = (),
+    env: dict = None,
+    serve_args: list[str] = (),
 ) -> tuple[Server, list[str], dict]:
     """Start scripts/serve.sh on a make_repo copy (``--set`` items, ``--instances`` items, any
-    other make_repo arguments such as ``--prefill-gpus 0``) in ``tmp`` on free ports; returns
-    (server, the serve.sh command, its env) for :func:`stop`."""
+    other make_repo arguments such as ``--prefill-gpus 0``) in ``tmp`` on free ports, with
+    ``serve_args`` added to serve.sh's (e.g. ``--api-key-file F``); returns (server, the serve.sh
+    command, its env) for :func:`stop`."""
     repo, trace, run = tmp / "repo", tmp / "trace", tmp / "run"
     trace.mkdir()
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "make_repo.py"), "--out", str(repo)]
@@ -65,7 +86,7 @@ def launch(
     ports = [str(free_port()) for _ in range(4)]
     serve = [os.path.join(ROOT, "scripts", "serve.sh"), "--model-repo", str(repo)]
     serve += ["--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]]
-    serve += ["--openai-port", ports[3]]
+    serve += ["--openai-port", ports[3], *serve_args]
     env = {**os.environ, **(env or {}), "PD_RUN_DIR": str(run)}
     out = subprocess.run(serve, env=env, timeout=400, stdout=subprocess.PIPE, text=True)
     sys.stderr.write(out.stdout)  # its URLs and log path; stdout stays the caller's

@@ -38,8 +38,8 @@ PROMPTS = [random_prompt(n, seed=40 + n) for n in (5, 17, 8, 30)]
 
 
 def _params(target: str, **spec) -> dict:
-    # drafting at every batch size, as the colocated engines these tests compare with
-    return tiny_params(target, num_pages=96, spec_max_batch=0, **spec)
+    # drafting at every batch size and step, as the colocated engines these tests compare with
+    return tiny_params(target, num_pages=96, spec_max_batch=0, spec_adaptive=False, **spec)
 
 
 def _mla_gqa() -> tuple[str, dict]:

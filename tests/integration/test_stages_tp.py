@@ -69,7 +69,8 @@ def colocated_spec(target: str, draft: str, prompts) -> tuple[int, int]:
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
 def test_mla_target_with_a_gqa_draft_across_tp_sizes_is_lossless(p_tp, d_tp):
     target, draft = mla_target_gqa_draft()
-    spec = dict(spec_enabled=True, draft_model_dir=draft, spec_tokens=3)
+    # drafting at every step, as the colocated engine it compares with
+    spec = dict(spec_enabled=True, draft_model_dir=draft, spec_tokens=3, spec_adaptive=False)
     prefill, decode = stages(p_tp, d_tp, target, **spec)
     try:
         assert {len(r.worker_pids) for r in (prefill.runner, prefill.draft) if p_tp > 1} <= {1}

@@ -109,12 +109,19 @@ def test_decode_aborts_mid_transfer(spawn):
     assert decode.released_counts() == {"1": 1, "2": 1}
 
 
-def test_prefill_killed_mid_transfer(spawn):
+def mid_transfer(spawn):
+    """A prefill and a decode (fast heartbeats) with room 1's first layer group landed and
+    the rest coming slowly: (prefill, decode, decode's free pages before the room)."""
     prefill = spawn("prefill", ENTRIES)
     decode = spawn("decode", ENTRIES, heartbeat_interval_s=0.2, heartbeat_misses=5)
     free0 = decode.free_counts()
     start(prefill, decode, 1, layer_sleep=0.5, watch=True)
     wait_landed(decode, 1, 1)
+    return prefill, decode, free0
+
+
+def test_prefill_killed_mid_transfer(spawn):
+    prefill, decode, free0 = mid_transfer(spawn)
     t0 = time.time()
     prefill.kill()
     status, reason = decode.wait(1, 30)

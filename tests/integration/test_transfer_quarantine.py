@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from test_transfer_failures import ENTRIES, serve_ok, start, wait_landed
+from test_transfer_failures import ENTRIES, mid_transfer, serve_ok, start
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -28,11 +28,7 @@ def wait_ended(decode, room: int, timeout: float) -> tuple[str, str]:
 
 
 def test_a_frozen_prefill_keeps_the_pages_quarantined_until_its_connection_closes(spawn):
-    prefill = spawn("prefill", ENTRIES)
-    decode = spawn("decode", ENTRIES, heartbeat_interval_s=0.2, heartbeat_misses=5)
-    free0 = decode.free_counts()
-    start(prefill, decode, 1, layer_sleep=0.5, watch=True)
-    wait_landed(decode, 1, 1)
+    prefill, decode, free0 = mid_transfer(spawn)
     os.kill(prefill.proc.pid, signal.SIGSTOP)  # alive, connected, silent: writes may be queued
     try:
         status, reason = wait_ended(decode, 1, 30)  # held in quarantine: not released

@@ -1,7 +1,8 @@
 """The CUDA attention dispatch (``backends/runtime/cuda_attn.py``) without a GPU: CPU forwards
-never import triton, a kernel that fails falls back to SDPA once and for all with one warning
-(``PD_RUNTIME_ATTENTION=triton``: the failure raises), and ``PD_RUNTIME_ATTENTION=sdpa`` never
-calls the kernel."""
+never import triton, a kernel that cannot be built for the GPU (Triton's compilation, ptxas and
+out-of-resources errors) falls back to SDPA once and for all with one warning
+(``PD_RUNTIME_ATTENTION=triton``: the failure raises), any other kernel error fails that forward
+only, and ``PD_RUNTIME_ATTENTION=sdpa`` never calls the kernel."""
 
 from __future__ import annotations
 
@@ -47,7 +48,20 @@ def test_cpu_forward_does_not_import_triton():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_failing_kernel_falls_back_to_sdpa_once(monkeypatch, caplog):
+def unbuildable() -> list[Exception]:
+    """What Triton raises when a kernel cannot be built for the GPU at hand."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    return [
+        CompilationError("def k(): ...", None, "type fp8e4nv not supported in this architecture"),
+        PTXASError("ptxas fatal: Value 'sm_120' is not defined for option 'gpu-name'"),
+        OutOfResources(232448, 101376, "shared memory"),
+    ]
+
+
+@pytest.mark.parametrize("error", unbuildable(), ids=lambda e: type(e).__name__)
+def test_a_kernel_that_cannot_be_built_falls_back_to_sdpa_once(monkeypatch, caplog, error):
     monkeypatch.setenv("PD_RUNTIME_ATTENTION", "auto")  # gpu_check.sh runs with triton
     runner = load_runner(rm.checkpoint("llama"))
     prompt = rm.random_prompt(11, seed=3)
@@ -56,7 +70,7 @@ def test_failing_kernel_falls_back_to_sdpa_once(monkeypatch, caplog):
 
     def broken(*args, **kwargs):
         calls.append(1)
-        raise RuntimeError("no kernel for this GPU")
+        raise error
 
     monkeypatch.setattr(cuda_attn, "DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(cuda_attn, "_module", types.SimpleNamespace(paged_attention=broken))
@@ -66,7 +80,39 @@ def test_failing_kernel_falls_back_to_sdpa_once(monkeypatch, caplog):
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(again, want)
     assert calls == [1] and cuda_attn._module is False  # tried once, then SDPA for good
-    assert sum("Triton attention failed" in r.message for r in caplog.records) == 1
+    said = [r for r in caplog.records if "Triton attention cannot run here" in r.message]
+    assert len(said) == 1 and type(error).__name__ in said[0].message
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("CUDA error: an illegal memory access was encountered"),
+        ValueError("12 query heads do not group over 5 KV heads"),
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_any_other_kernel_error_fails_the_forward_and_keeps_the_kernel(monkeypatch, caplog, error):
+    """Only a kernel that cannot be built is what SDPA stands in for: an error of one call
+    fails that forward (the request), and the next forward runs the kernel again."""
+    monkeypatch.setenv("PD_RUNTIME_ATTENTION", "auto")
+    runner = load_runner(rm.checkpoint("llama"))
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise error
+
+    kernel = types.SimpleNamespace(paged_attention=broken)
+    monkeypatch.setattr(cuda_attn, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(cuda_attn, "_module", kernel)
+    with caplog.at_level(logging.WARNING, logger=cuda_attn.__name__):
+        for _ in range(2):
+            with pytest.raises(type(error), match=str(error)[:20]):
+                forward(runner, rm.random_prompt(7, seed=1))
+    assert calls == [1, 1] and cuda_attn._module is kernel and cuda_attn.kernels_ok()
+    assert not [r for r in caplog.records if "SDPA" in r.message]
 
 
 def test_triton_setting_raises_the_kernel_failure(monkeypatch):

@@ -1,6 +1,7 @@
 """Which room failures decode's failover re-dispatches (no network: a fake router): a KV checksum
 mismatch and a prefill server of another deployment are re-dispatched under a fresh room (the
-router then skips an incompatible server); decode's own abort is not."""
+router then skips an incompatible server); decode's own abort is not, whatever its words (the
+request's state decides)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,13 @@ def test_checksum_mismatch_and_incompatible_prefill_are_re_dispatched():
         assert err is None and nxt.req.room != r.req.room and nxt.client_room == r.req.room
         assert nxt.req.bootstrap_addr == "10.0.0.2:1" and r.phase == Phase.DONE
     assert f.counters["failovers"] == 2
-    assert not f.retry(active(), "aborted by decode: client cancelled")
+    cancelled = active()
+    cancelled.cancelled = True  # decode aborted its room for the client's cancel
+    assert not f.retry(cancelled, "aborted by decode: client cancelled")
+    gone = active()
+    gone.phase = Phase.DONE  # the client went away: decode ended it, then aborted the room
+    assert not f.retry(gone, "prefill peer lost: 10.0.0.1:1 silent for 5.0s")
+    assert f.counters["failovers"] == 2 and not rerouted
 
 
 def test_the_re_dispatched_request_keeps_its_detokenizer():

@@ -1,5 +1,6 @@
-"""The OpenAI front's own logic (no server): overload answers, error params, seeds, message
-names, and the chat / completions forms of ``logprobs`` in Triton's frontend format."""
+"""The OpenAI front's own logic (no server): overload answers, stage errors classified by their
+tag (never by their words) and named by the request's field, seeds, message names, and the
+chat / completions forms of ``logprobs`` in Triton's frontend format."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from fastapi.testclient import TestClient
 
 from backends.openai import protocol as oai
 from backends.openai.app import create_app
-from backends.openai.errors import APIError, from_server
+from backends.openai.errors import APIError, from_stage
+from backends.stages import errors as se
 from backends.stages.compat import frontend_inputs
 from backends.stages.text import sampling_from
 
@@ -32,16 +34,38 @@ def test_overload_is_503_with_retry_after_and_an_openai_body():
         assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
-def test_server_errors_name_the_request_field():
-    fields = ("model", "messages", "temperature", "logprobs", "prompt")
-    e = from_server("invalid request: temperature must be >= 0, got -1.0", fields)
-    assert (e.status, e.param) == (400, "temperature")
-    e = from_server("invalid request: top_logprobs must be in [0, 20]", fields)
-    assert e.param == "logprobs"
-    e = from_server("invalid request: text_input is empty: give a prompt", fields)
-    assert e.param == "prompt"
-    assert from_server("overloaded, retry later: prefill0 holds 9", fields).status == 503
-    assert from_server("stage died", fields).status == 500
+def test_stage_errors_are_classified_by_their_tag_and_name_the_request_field():
+    chat = oai.fields_of(oai.parse(oai.ChatRequest, {**CHAT, "max_completion_tokens": 5}))
+    comp = oai.fields_of(oai.parse(oai.CompletionRequest, {"model": "m", "prompt": "hi"}))
+    ensemble = "in ensemble 'ensemble', "  # what Triton's ensemble puts in front
+
+    def stage(msg, kind, **tag):
+        return ensemble + se.tagged(msg, kind, **tag)
+
+    e = from_stage(stage("preprocess: temperature must be >= 0", "invalid", param="temperature"))
+    assert (e.status, e.param, e.code) == (400, None, "invalid_value")  # no request: no field
+    e = from_stage(stage("x", "invalid", param="temperature"), chat)
+    assert (e.status, e.param, e.kind) == (400, "temperature", "invalid_request_error")
+    assert e.message == ensemble + "x"  # the tag is for machines: not shown
+    assert from_stage(stage("x", "invalid", param="logprobs"), chat).param == "top_logprobs"
+    assert from_stage(stage("x", "invalid", param="logprobs"), comp).param == "logprobs"
+    assert from_stage(stage("x", "invalid", param="input_ids"), comp).param == "prompt"
+    assert from_stage(stage("x", "invalid", param="max_tokens"), chat).param == (
+        "max_completion_tokens")  # fmt: skip
+    long = stage("too long", "invalid", param="max_tokens", code=se.CONTEXT_LENGTH_EXCEEDED)
+    assert from_stage(long, comp).code == "context_length_exceeded"
+    busy = from_stage(stage("overloaded, retry later: prefill0 holds 9", "overloaded"), chat)
+    assert (busy.status, busy.code, busy.kind) == (503, "overloaded", "server_overloaded")
+    assert busy.response().headers["retry-after"] == "1"
+    # words never decide: an internal error worded like a client's fault stays a 500, and so
+    # does an error without a tag (Triton's own) or one whose first tag is internal (a router's
+    # error that quotes a prefill server's refusal)
+    worded = "invalid request: max_tokens must be in [1, 8]; exceeds the context"
+    quoted = stage("router: " + se.tagged(worded, "invalid", param="max_tokens"), "internal")
+    for text in (stage(worded, "internal"), worded, quoted):
+        e = from_stage(text, chat)
+        assert (e.status, e.param, e.code) == (500, None, "internal_error"), text
+        assert "[pd-error" not in e.message
 
 
 def test_negative_seeds_are_kept_distinct_and_names_refused():

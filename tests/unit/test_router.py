@@ -3,6 +3,10 @@ choice, failover on refusal, down / probe / up, errors naming every cause, end-o
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+
 import pytest
 
 from backends.runtime.sampler import SamplingParams
@@ -61,6 +65,14 @@ def poll(r):
         r._poll_one(s)
 
 
+def answered(exc: Exception) -> str:
+    """The error text a prefill server sends for ``exc`` (triton_glue.exception_response)."""
+    return errors.tagged(f"prefill: {exc}", **errors.tag_of(exc))
+
+
+QUEUE_FULL = answered(errors.Overloaded("queue full"))
+
+
 def test_routes_to_fewest_queued_prompt_tokens_counting_its_own_since_the_read():
     r, (a, b) = make()
     a.queued, b.queued = 100.0, 10.0
@@ -101,7 +113,7 @@ def test_unreachable_server_is_marked_down_and_the_next_one_answers():
 
 def test_an_error_answer_moves_on_without_marking_down():
     r, (a, b) = make()
-    a.refuse = "prefill: overloaded, retry later: queue full"
+    a.refuse = QUEUE_FULL
     assert r.dispatch(req())[1] == b.name
     assert r.servers[0].state == ServerState.Up
 
@@ -121,9 +133,30 @@ def test_error_names_every_server_when_none_is_left():
 
 def test_all_overloaded_is_overloaded():
     r, (a, b) = make()
-    a.refuse = b.refuse = "prefill: overloaded, retry later: 64 requests wait"
+    a.refuse = b.refuse = answered(errors.Overloaded("64 requests wait"))
     with pytest.raises(errors.Overloaded):
         r.dispatch(req())
+
+
+def test_refusals_are_told_apart_by_their_tag_not_their_words():
+    """An internal error that happens to say "overloaded" or "incompatible deployment" is
+    neither; an invalid request is the client's, at once, with the server's param and code."""
+    r, (a, b) = make()
+    a.refuse = b.refuse = answered(RuntimeError("the KV pool is overloaded with stale pages"))
+    with pytest.raises(NoPrefillServer):
+        r.dispatch(req())
+    a.refuse = answered(RuntimeError("relayed: incompatible deployment: secret differs"))
+    b.refuse = QUEUE_FULL
+    with pytest.raises(NoPrefillServer):  # one overloaded, one internal: not "retry later"
+        r.dispatch(req(2))
+    assert [s.state for s in r.servers] == [ServerState.Up] * 2 and r.refusals == {}
+    a.refuse = answered(errors.InvalidRequest("prompt too long", "input_ids", "too_long"))
+    b.refuse, asked = "", len(b.forwards)
+    with pytest.raises(errors.InvalidRequest) as e:
+        r.dispatch(req(3))
+    assert (e.value.param, e.value.code) == ("input_ids", "too_long")
+    assert a.name in str(e.value) and "pd-error" not in str(e.value)
+    assert len(b.forwards) == asked  # not tried on the next server: it would say the same
 
 
 def test_down_server_is_probed_and_taken_back_when_ready():
@@ -257,3 +290,149 @@ def test_a_forwarded_request_asks_prefill_to_hold_the_call_until_the_room_is_don
     assert msg.parameters[HOLD_PARAM].bool_param is True
     assert msg.parameters["triton_enable_empty_final_response"].bool_param is True
     assert msg.model_name == "prefill" and msg.id == "7"
+
+
+class FakeStream:
+    """A ModelStreamInfer call that yields ``responses`` and then ends."""
+
+    def __init__(self, responses):
+        self.responses, self.cancelled = list(responses), False
+
+    def __iter__(self):
+        return iter(self.responses)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakeStub:
+    def __init__(self, *responses):
+        self.responses = responses
+
+    def ModelStreamInfer(self, requests):  # noqa: N802 - the gRPC method's name
+        return FakeStream(self.responses)
+
+
+def _ended_forward(stub, on_end):
+    """A Forward over ``stub``; returns once its pump ran ``on_end``."""
+    from backends.stages.router.client import Forward
+
+    ran = threading.Event()
+
+    def end(err, down):
+        ran.set()
+        on_end(err, down)
+
+    Forward(stub, req(), end)
+    assert ran.wait(10)
+    time.sleep(0.05)  # the pump logs right after on_end returned
+
+
+def test_an_on_end_that_raises_is_logged_with_the_error_it_was_handling(caplog):
+    """The router's on_end marks a lost server down and ends the room for failover: a bug
+    there must show in the log, not vanish in the forward's pump thread."""
+    from tritonclient.grpc import service_pb2
+
+    def broken(err, down):
+        raise KeyError("outstanding room")
+
+    failed = service_pb2.ModelStreamInferResponse(error_message="prefill: overloaded")
+    with caplog.at_level(logging.WARNING, logger="backends.stages.router.client"):
+        _ended_forward(FakeStub(failed), broken)
+    said = [r for r in caplog.records if r.name == "backends.stages.router.client"]
+    assert len(said) == 1 and said[0].levelno == logging.ERROR
+    assert "prefill: overloaded" in said[0].getMessage()
+    assert f"room {req().room}" in said[0].getMessage()
+    assert said[0].exc_info is not None and said[0].exc_info[0] is KeyError
+
+
+def test_a_garbled_answer_is_logged_and_ends_the_forward(caplog):
+    from tritonclient.grpc import service_pb2
+
+    garbled = service_pb2.ModelStreamInferResponse()
+    garbled.infer_response.raw_output_contents.append(b"\x05\x00\x00\x00junk!")
+    ends = []
+    with caplog.at_level(logging.WARNING, logger="backends.stages.router.client"):
+        _ended_forward(FakeStub(garbled), lambda err, down: ends.append((err, down)))
+    assert len(ends) == 1 and ends[0][0].startswith("bad answer") and ends[0][1] is False
+    assert any("bad answer" in r.getMessage() for r in caplog.records)
+
+
+def errors_logged(caplog) -> list:
+    return [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_an_error_that_cannot_be_delivered_is_logged_and_the_router_goes_on(caplog):
+    """The router stage answers a request it could not route through its response sender; when
+    that raises too (the client is gone), the dispatch thread says so and the router goes on."""
+    r, (a, b) = make()
+    a.refuse = b.refuse = QUEUE_FULL
+    delivered = threading.Event()
+
+    def gone(e):
+        delivered.set()
+        raise RuntimeError("Response sender has been closed")
+
+    with caplog.at_level(logging.ERROR, logger="backends.stages.router.router"):
+        r.submit(req(), lambda routed: None, gone)
+        assert delivered.wait(10)
+        end = time.monotonic() + 10
+        while not errors_logged(caplog) and time.monotonic() < end:
+            time.sleep(0.01)
+    (said,) = errors_logged(caplog)
+    assert "queue full" in said.getMessage() and said.exc_info[0] is RuntimeError
+    a.refuse = b.refuse = ""
+    routed = []
+    r.submit(req(8), routed.append, gone)  # the next request is routed as usual
+    end = time.monotonic() + 10
+    while not routed and time.monotonic() < end:
+        time.sleep(0.01)
+    assert routed and routed[0].room == 8
+
+
+# ---- cache-aware routing (issue 47) ------------------------------------------------------------
+def cached_router(policy: str, **kw):
+    servers = [("10.0.0.1", 8001 + 100 * i, 8002 + 100 * i) for i in range(2)]
+    r = PrefillRouter(servers, 1.0, 3600.0, client=FakeClient, page_size=4,
+                      route_policy=policy, **kw)  # fmt: skip
+    return r, [s.client for s in r.servers]
+
+
+def chat(turn: int) -> list[int]:
+    """A conversation's prompt at ``turn``: a 40-token system prompt plus 8 tokens a turn."""
+    return list(range(1, 41)) + list(range(100, 100 + 8 * turn))
+
+
+def ask(r, room: int, ids: list[int]) -> str:
+    routed, name = r.dispatch(StageRequest(room=room, prompt_ids=ids, sampling=SamplingParams()))
+    for s in r.servers:  # each answered: prefill's queue drains (no load left behind)
+        s.outstanding.clear()
+    return name
+
+
+@pytest.mark.parametrize("policy", ["cache", "queue"])
+def test_a_conversation_follows_its_cached_prefix_unless_the_policy_is_queue(policy):
+    r, (a, b) = cached_router(policy)
+    first = ask(r, 1, chat(1))
+    other = ask(r, 2, [7] * 40)  # another conversation: the other server (fewer dispatched)
+    assert {first, other} == {a.name, b.name}
+    names = [ask(r, 10 + t, chat(t)) for t in range(2, 6)]  # the conversation's next turns
+    if policy == "cache":
+        assert names == [first] * 4  # where its prefix is
+        hits = r.stats()["servers"][first]["hit_tokens"]
+        assert hits == sum(4 * (len(chat(t - 1)) // 4) for t in range(2, 6))
+    else:
+        assert set(names) == {a.name, b.name}  # least queue: the turns alternate
+    r.close()
+
+
+def test_a_long_prompt_whose_prefix_decode_holds_is_prefilled_locally():
+    """Conditional disaggregation counts the tokens uncached on decode, not the prompt's."""
+    from backends.stages.router import LOCAL
+
+    r, _ = cached_router("cache", local_max_tokens=12)
+    assert ask(r, 1, chat(1)) != LOCAL  # 48 new tokens: a prefill server
+    assert ask(r, 2, chat(2)) == LOCAL  # 56 tokens, but decode likely holds the first 48
+    assert ask(r, 3, [5] * 56) != LOCAL  # as long, nothing cached
+    assert r.stats()["servers"][LOCAL]["hit_tokens"] == 48
+    r.close()

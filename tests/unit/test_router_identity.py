@@ -9,7 +9,7 @@ import json
 
 import msgspec
 import pytest
-from test_router import FakeClient, req
+from test_router import FakeClient, answered, req
 
 from backends.stages.fingerprint import ForwardCheck, Incompatible, from_labels, info_labels
 from backends.stages.router import NoPrefillServer, PrefillRouter, ServerState
@@ -53,14 +53,21 @@ def test_published_fingerprints_decide_and_readiness_follows():
 
 
 def test_a_refused_forward_marks_the_server_incompatible_at_once():
+    """By the code of prefill's tagged error (what its ForwardCheck raised), not its words."""
     r, (a, b) = make()
-    a.refuse = "prefill: incompatible deployment: secret differs (prefill key id x, decode ...)"
+    with pytest.raises(Incompatible) as refused:
+        ForwardCheck(OTHER_SECRET).check(
+            json.dumps({"pd_fingerprint": msgspec.json.encode(OURS).decode()})
+        )
+    a.refuse = answered(refused.value)
+    assert "code=incompatible_deployment.secret" in a.refuse
     a.queued = 0.0
     b.queued = 100.0
     poll(r)
     assert r.dispatch(req(1))[1] == b.name  # a refused, b took it
     assert r.servers[0].state == ServerState.Incompatible
     assert r.dispatch(req(2))[1] == b.name and len(a.forwards) == 1  # never asked again
+    assert r.stage_stats()["refusals"] == {"secret": 1}
     r.close()
 
 

@@ -130,3 +130,24 @@ def test_worker_killed_during_a_collective_fails_the_forward_at_once():
         killer.join()
         runner.close()
     assert not running(pid)
+
+
+def test_an_error_answer_is_typed_apart_from_a_silent_rank():
+    """Rank 0 passes a live rank's error answer on and breaks the runner only for a death or a
+    timeout: told apart by type (RankAnswerError), whatever the error's words ("no answer")."""
+    from multiprocessing import Pipe
+    from types import SimpleNamespace
+
+    from backends.runtime.tp.comm import RankAnswerError
+    from backends.runtime.tp.procs import WorkerHandle
+    from backends.runtime.tp.worker import ERROR
+
+    ours, theirs = Pipe()
+    never, _keep = Pipe()  # a sentinel that never fires: the process runs
+    h = WorkerHandle(1, SimpleNamespace(exitcode=None, sentinel=never), ours, None)
+    theirs.send_bytes(ERROR + b"no answer from the KV peer")
+    with pytest.raises(RankAnswerError, match="no answer from the KV peer"):
+        h.answer(5.0, "scatter")
+    with pytest.raises(TensorParallelError, match="no answer within 0 s") as silent:
+        h.answer(0.05, "scatter")
+    assert not isinstance(silent.value, RankAnswerError)

@@ -29,3 +29,40 @@ def test_other_clear_kinds_and_an_unclear_one():
     assert classify("KV transfer failed") is None  # no cause named
     assert classify("KV transfer failed after something: ") is None
     assert classify("internal error") is None
+
+
+def _end(**kw):
+    return {"pages_in_use": [0, 0], "pages_quarantined": 0, "held": {"x": 0}, "ready": True,
+            "probe_ok": True, **kw}  # fmt: skip
+
+
+def test_the_fronts_verdict_compares_text_and_token_count_and_wants_openais_error_shape():
+    from benchmarks.soak import Outcome, summarize
+
+    key, ids = ((5, 6), 4), [7, 8, 9, 2]
+    refs, texts = {key: ids}, {key: "Paris."}
+    req = {"i": 0, "ids": [5, 6], "max_tokens": 4}
+    shaped = {"message": "KV transfer failed: prefill x: injected", "type": "server_error",
+              "param": None, "code": "internal_error"}  # fmt: skip
+    good = [
+        Outcome(req, "ok", [], "", 1.0, "Paris.", 4),
+        Outcome(req, "cancelled", [], "", 0.5, "Par"),
+        Outcome(req, "error", [], shaped["message"], 0.5, status=500, body=shaped),
+        Outcome(req, "error", [], shaped["message"], 0.5, body=shaped),  # an SSE error event
+    ]
+    r = summarize(good, refs, texts, _end(), 123, 9.0)
+    assert r["ok"] and r["errors_by_status"] == {"500": 1, "stream event": 1}
+    for bad, check in [
+        (Outcome(req, "ok", [], "", 1.0, "Paris.", 3), "outputs_equal_reference"),  # count
+        (Outcome(req, "ok", [], "", 1.0, "Rome.", 4), "outputs_equal_reference"),
+        (Outcome(req, "cancelled", [], "", 0.5, "Rom"), "outputs_equal_reference"),
+        (Outcome(req, "error", [], shaped["message"], 0.5, status=500, body={"detail": "x"}),
+         "errors_in_openai_shape"),  # fmt: skip
+        (Outcome(req, "hang", [], "no answer in time", 300.0), "no_hang"),
+    ]:
+        r = summarize([*good, bad], refs, texts, _end(), 123, 9.0)
+        assert not r["ok"] and not r["checks"][check], check
+    held = summarize(good, refs, texts, _end(held={"front_requests_in_flight": 1}), 123, 9.0)
+    assert not held["checks"]["no_request_held_at_end"]
+    grpc = summarize([Outcome(req, "ok", ids, "", 1.0)], refs, None, _end(), 123, 9.0)
+    assert grpc["ok"] and "errors_in_openai_shape" not in grpc["checks"]

@@ -26,6 +26,7 @@ def test_bench_spec_json():
         cwd=ROOT,
     )
     res = json.loads(out.stdout)
+    assert {r["set"] for r in res["results"]} == {"random"} and res["worst_set"] == "random"
     rows = {(r["config"], r["batch"]): r for r in res["results"]}
     assert sorted(rows) == sorted(
         (c, b) for b in (1, 3) for c in ("target only", "self-draft K=1 k=2", "self-draft K=4 k=2")
@@ -57,5 +58,26 @@ def test_bench_spec_eagle_head_with_pd_json():
     for key in ("tokens_per_step", "acceptance_rate", "speedup_batch1", "acceptance_pd",
                 "acceptance_pd_over_colocated"):  # fmt: skip
         assert key in res, key
+        assert res["sets"]["random"][key] == res[key]  # one set: it is the worst
     assert res["pd_same_tokens_as_colocated"] is True
     assert all(r.get("same", True) for r in res["results"])
+
+
+def test_bench_spec_random_head_both_policies_json():
+    """--random-head --policy both: an adaptive and an always-drafting row of a random head of
+    the trained head's shape; the adaptive one switches drafting off, both are lossless."""
+    args = "--random-prompts 6 --batches 1 --random-head --spec-tokens 3 --max-tokens 24"
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.spec", "--model", rm.checkpoint("llama"),
+         *args.split(), "--policy", "both", "--runs", "1", "--page-size", "4", "--json",
+         "--ignore-eos"],
+        capture_output=True, text=True, timeout=180, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["config"]: r for r in json.loads(out.stdout)["results"]}
+    assert set(rows) == {"target only", "draft random head k=3", "draft random head k=3 always"}
+    adaptive, always = rows["draft random head k=3"], rows["draft random head k=3 always"]
+    assert adaptive["adaptive"] and not always["adaptive"]
+    assert adaptive["same"] and always["same"]
+    assert adaptive["switched_off"] >= 1 and adaptive["undrafted_share"] > 0.5
+    assert always["undrafted_steps"] == 0 and always["undrafted_share"] == 0.0

@@ -12,7 +12,7 @@ import pytest
 import runtime_models as rm
 import spec_models as sm
 import torch
-from eagle_heads import random_head, trained_head
+from eagle_heads import add_same_prompt, random_head, trained_head
 
 from backends.runtime.eagle import EagleHead
 from backends.runtime.loader import load_runner
@@ -233,13 +233,10 @@ def test_sampling_with_a_head_follows_the_target_distribution(llama):
     head = load_draft(llama, path=random_head(rm.checkpoint("llama")))
     dspec = DraftSpec(head, head.make_pool(n, 8, role="draft"), 2)
     engine = spec_engine(llama, llama.make_pool(n, 8), dspec, max_batch=n)
-    (t_logits,), (f,) = llama.forward(engine.pool, [SeqInput(prompt + [first], 0, [0])],
-                                      features=True)  # fmt: skip
-    head.forward_head(dspec.pool, [SeqInput(prompt[1:], 0, [0])], [f[:5]], logits=False)
-    engine.pool.tensor[:, :, 1:] = engine.pool.tensor[:, :, :1]  # the same prompt KV per page
-    dspec.pool.tensor[:, :, 1:] = dspec.pool.tensor[:, :, :1]
+    params = [SamplingParams(temperature=1.0, top_k=5, seed=i, max_tokens=3, ignore_eos=True)
+              for i in range(n)]  # fmt: skip
+    t = add_same_prompt(engine, prompt, first, params)
     g = torch.Generator().manual_seed(1)
-    t = t_logits[-1]
     noisy = t + 0.6 * t.std() * torch.randn(t.shape[-1], generator=g).to(t.device)
     real = head.forward_head
 
@@ -248,16 +245,10 @@ def test_sampling_with_a_head_follows_the_target_distribution(llama):
         return [noisy[None].expand(len(o), -1) for o in out], outs
 
     head.forward_head = noisy_head
-    params = [SamplingParams(temperature=1.0, top_k=5, seed=i, max_tokens=3, ignore_eos=True)
-              for i in range(n)]  # fmt: skip
-    pages, dpages = engine.pool.alloc(n), dspec.pool.alloc(n)
-    for i, sp in enumerate(params):
-        engine.add_prefilled(f"s{i}", prompt, [pages[i]], first, sp, draft_pages=[dpages[i]],
-                             draft_feature=f[5])  # fmt: skip
     engine.step()  # admission: reports `first`
     out = engine.step()  # one speculative step (k clamped to 1 by max_tokens = 3)
     counts = torch.bincount(torch.tensor([t[0] for t in out.new_tokens.values()]), minlength=256)
-    p, q = probs(t_logits[-1:], params[0])[0].cpu(), probs(noisy[None], params[0])[0].cpu()
+    p, q = probs(t[None], params[0])[0].cpu(), probs(noisy[None], params[0])[0].cpu()
     assert _tv(p, q) > 0.3  # the draft is far from the target, so a wrong rule shows
     assert 0.2 < engine.stats.acceptance_rate < 0.8  # both accept and reject paths ran
     assert _chi2(counts.float(), p) < CHI2_999[4]
@@ -265,8 +256,8 @@ def test_sampling_with_a_head_follows_the_target_distribution(llama):
 
 
 def test_train_data_cache_round_trip_and_key(tmp_path):
-    """train_eagle.py --data-cache: what was saved comes back bit for bit under the same key,
-    and a different key (another target, prompt count, ...) reads as absent."""
+    """train_eagle.py's data shards (--work): what was saved comes back bit for bit under the
+    same key, and a different key (another target, prompt count, ...) reads as absent."""
     from benchmarks import eagle_data
 
     items = [(torch.tensor(t), torch.randn(len(t), 3), p)

@@ -43,13 +43,14 @@ def test_self_draft_greedy_equals_target_only():
 def _predicted(agree: list[bool], n: int, k: int) -> tuple[int, int]:
     """(accepted drafts, verify steps) of greedy self-draft decoding of n tokens, given where
     the early exit agrees with the full model (teacher forced): a self-draft's KV for its K
-    layers is the target's, so draft j is accepted iff it and all before it agree."""
+    layers is the target's, so draft j is accepted iff it and all before it agree. A step with
+    no draft left (the last token) verifies nothing and is no verify step."""
     emitted, accepted, steps = 1, 0, 0  # the first token comes from prefill
     while emitted < n:
         k_eff, m = min(k, n - emitted - 1), 0
         while m < k_eff and agree[emitted + m]:
             m += 1
-        accepted, steps, emitted = accepted + m, steps + 1, emitted + m + 1
+        accepted, steps, emitted = accepted + m, steps + (k_eff > 0), emitted + m + 1
     return accepted, steps
 
 

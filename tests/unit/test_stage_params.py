@@ -18,6 +18,7 @@ from backends.stages.text import sampling_from
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 MODEL = os.path.join(ROOT, "models", "smollm2-135m-instruct")
+SECRET = "5e2b9c0d7a41f386"  # strong enough for the rule (backends/stages/keys.py)
 
 
 def test_parse_converts_and_builds_policy_and_transfer_config():
@@ -26,14 +27,14 @@ def test_parse_converts_and_builds_policy_and_transfer_config():
             "page_size": "32",
             "lg_enabled": "false",
             "lg_fixed_group_size": "4",
-            "shared_secret": "x" * 16,
+            "shared_secret": SECRET,
             "bootstrap_port": "7000",
         }
     )
     assert p.page_size == 32 and p.lg_enabled is False
     assert p.policy().fixed_group_size == 4 and not p.policy().enabled
     cfg = p.transfer_config(instance_index=2)
-    assert cfg.bootstrap_port == 7002 and cfg.shared_secret == b"x" * 16
+    assert cfg.bootstrap_port == 7002 and cfg.shared_secret == SECRET.encode()
     assert StageParams().transfer_config().bootstrap_port == 0
     assert os.path.isabs(StageParams().model_path)
 
@@ -167,7 +168,8 @@ def test_a_non_loopback_bootstrap_host_needs_a_secret_or_an_explicit_opt_out(mon
         parse_params({"bootstrap_host": "10.1.2.3"})
     assert parse_params({"bootstrap_host": "127.0.0.1"}).bootstrap_host == "127.0.0.1"
     assert parse_params({"bootstrap_host": "10.1.2.3", "allow_insecure": "true"}).allow_insecure
-    p = parse_params({"bootstrap_host": "10.1.2.3", "shared_secret": "s" * 16})
-    assert p.transfer_config().shared_secret == b"s" * 16
-    monkeypatch.setenv("PD_SHARED_SECRET", "e" * 32)
-    assert parse_params({"bootstrap_host": "10.1.2.3"}).transfer_config().shared_secret == b"e" * 32
+    p = parse_params({"bootstrap_host": "10.1.2.3", "shared_secret": SECRET})
+    assert p.transfer_config().shared_secret == SECRET.encode()
+    monkeypatch.setenv("PD_SHARED_SECRET", SECRET[::-1])
+    cfg = parse_params({"bootstrap_host": "10.1.2.3"}).transfer_config()
+    assert cfg.shared_secret == SECRET[::-1].encode()

@@ -58,6 +58,9 @@ def test_failure_hint_only_for_draft_layout_errors():
     assert "configured identically" in explain_failure(
         "incompatible layout: decode did not register entry 'draft'"
     )
+    assert "configured identically" in explain_failure(
+        "prefill 10.0.0.1:1: incompatible deployment: draft model differs: prefill none, decode x"
+    )
     assert explain_failure("transfer timeout") == "transfer timeout"
 
 

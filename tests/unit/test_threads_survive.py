@@ -120,3 +120,30 @@ def test_a_trace_write_that_fails_is_counted_not_raised(tmp_path):
     t.write({"room": 2})
     assert t.errors == 3 and (tmp_path / "gone").iterdir()
     assert threading.current_thread().is_alive()
+
+
+def test_the_rank_watch_survives_a_check_that_raises(monkeypatch):
+    """A tensor-parallel stage exits when a rank died (to be loaded again): a rank check that
+    raises once must not end the watch, or a later dead rank would leave the stage hung."""
+    from backends.stages import triton_glue as g
+
+    exited, answers = threading.Event(), [RuntimeError("rank pipe closed mid-read"), None]
+    over = threading.Event()  # after the test: no rank ever dies (the real os._exit is back)
+
+    class Runner:
+        def failure(self):
+            if answers:
+                got = answers.pop(0)
+                if isinstance(got, Exception):
+                    raise got
+                return got
+            return None if over.is_set() else "tensor-parallel rank 1 died (exit code -9)"
+
+    monkeypatch.setattr(g.os, "_exit", lambda code: exited.set())
+    monkeypatch.setattr(g, "_say", lambda msg: None)
+    try:
+        g.exit_when_a_rank_dies("prefill_0", Runner(), grace_s=0.0)
+        assert exited.wait(10), "the watch died with the check that raised"
+        assert answers == []
+    finally:
+        over.set()

@@ -1,9 +1,13 @@
 """The Triton paged-attention kernel (``backends/runtime/triton_attn.py``) under
 ``TRITON_INTERPRET=1`` on CPU tensors, against a dense float64 reference: GQA (grouped heads,
 sliding window), MLA (latent keys with a rope tail, values = the latent's first channels), fp8
-caches with per-layer scales, float32 / float16 / bfloat16 queries; page sizes 1, 4 and 16,
-shuffled page tables, mixed lengths; decode, prefill from 0, and prefill continuations (queries
-at [start, start + n) over keys [0, start + n), as chunked prefill and prefix caching need).
+caches with per-layer scales, attention sinks (gpt-oss: a logit per head in the softmax's
+denominator, also across decode key splits), float32 / float16 / bfloat16 queries; page sizes 1,
+4 and 16, shuffled page tables, mixed lengths; decode, prefill from 0, and prefill
+continuations (queries at [start, start + n) over keys [0, start + n), as chunked prefill and
+prefix caching need). Through the runtime: tiny models against transformers, gpt-oss's
+per-layer windows and sinks among them, and decode steps from CUDA graphs' buffers (Gemma 3's
+window views on them).
 
 Triton reads ``TRITON_INTERPRET`` when it is first imported, so the cases
 (``tests/helpers/triton_attn_cases.py``) run in one process of their own (about 15 s on the
@@ -44,6 +48,7 @@ def results():
         *(f"runtime-{k}" for k in cases.RUNTIME_KINDS),
         *(f"graphs-{k}{ops}" for k in cases.GRAPH_KINDS for ops in ("", "-torch-ops")),
         "graphs-llama-fallback",
+        "graphs-gemma3",
         *(f"fp8-runtime-{k}" for k in cases.FP8_KINDS),
     ],
 )

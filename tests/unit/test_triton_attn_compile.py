@@ -23,6 +23,10 @@ CONFIGS = {  # GQA at SmolLM2 / Llama-8B shapes, MLA at DeepSeek-V3's (512 + 64 
                                         v_is_k=False, split=True, bm=16, bn=64),
     "mla-bf16-decode-h128": dict(q="bfloat16", kv="bfloat16", G=16, HS=8, dm=512, dt=64, dv=512,
                                  v_is_k=True, split=True, bm=16, bn=32),
+    # gpt-oss (64 heads on 8 KV heads of 64 channels, attention sinks)
+    "gqa-bf16-prefill-g8-d64-sinks": dict(q="bfloat16", kv="bfloat16", G=8, HS=1, dm=64, dt=0,
+                                          dv=64, v_is_k=False, split=False, bm=64, bn=64,
+                                          sinks=True),
 }  # fmt: skip
 
 
@@ -43,12 +47,13 @@ def compile_attention(ta, c):
     fn = ta._paged_attn_kernel
     out = "fp32" if c["split"] else TY[c["q"]]
     ptrs = dict(Q=TY[c["q"]], K=TY[c["kv"]], V=TY[c["kv"]], Out=out, PageTable="i32",
-                CuQ="i32", Starts="i32", Lse="fp32")  # fmt: skip
+                CuQ="i32", Starts="i32", Lse="fp32", Sinks="fp32")  # fmt: skip
     consts = dict(
         G=c["G"], HEAD_SPLIT=c["HS"], PAGE_SIZE=16, SPLIT=c["split"], D_MAIN=c["dm"],
         D_TAIL=c["dt"], DV=c["dv"], BLOCK_DM=_p2(c["dm"]), BLOCK_DT=_p2(c["dt"]) if c["dt"] else 16,
         BLOCK_DV=_p2(c["dv"]), BLOCK_M=c["bm"], BLOCK_N=c["bn"], TOKENS=c["bm"] // c["G"],
         V_IS_K=c["v_is_k"], FP8=c["kv"] == "fp8", F32_DOT=c["q"] == "float32",
+        SINKS=c.get("sinks", False),
     )  # fmt: skip
     sig = {}
     for name in fn.arg_names:
@@ -85,11 +90,12 @@ def test_attention_kernel_compiles_for_sm90_without_spills(ta, name, tmp_path):
         assert "STACK:0 " in usage, usage
 
 
-def test_combine_kernel_compiles_for_sm90(ta):
+@pytest.mark.parametrize("sinks", [False, True], ids=["nosink", "sinks"])
+def test_combine_kernel_compiles_for_sm90(ta, sinks):
     fn = ta._combine_splits_kernel
-    consts = dict(DV=512, BLOCK_S=8, BLOCK_DV=512)
+    consts = dict(DV=512, BLOCK_S=8, BLOCK_DV=512, SINKS=sinks)
     sig = {n: "constexpr" if n in consts else "i32" for n in fn.arg_names}
-    sig.update(PartO="*fp32", Lse="*fp32", Out="*bf16")
+    sig.update(PartO="*fp32", Lse="*fp32", Out="*bf16", Sinks="*fp32")
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
     assert ".target sm_90" in kernel.asm["ptx"]

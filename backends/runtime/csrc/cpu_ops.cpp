@@ -8,6 +8,8 @@
 //   v      [S, Hkv, Dv]     may be a view of k (MLA: the latent's first Dv channels)
 //   slots  [B, L] int64     each sequence's context slots, padded to the longest
 //   lo, hi [B] int64        sequence b attends to keys [lo_b, hi_b) of its row of slots
+//   sinks  [Hkv * G] float32 or None: a sink logit per query head, in every softmax's
+//                           denominator and with no value (gpt-oss)
 //   -> out [B, Hkv, G, Dv]  in q's dtype
 // k and v are in q's dtype or float8_e4m3fn (an fp8 pool: rows widened through a 256-entry
 // table as they are read; the caller folds the K scale into `scale` and applies the V scale).
@@ -23,6 +25,7 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -151,11 +154,15 @@ PD_INLINE void value_rows(const float* p, const T* vp, int64_t vs0, const int64_
 template <int GT, typename V, typename T, typename C>
 PD_INLINE void attend_tile(const float* qf, int64_t Dk, int64_t Dv, const C* kp, int64_t ks0,
                            const C* vp, int64_t vs0, const int64_t* row, int64_t n,
-                           float* score, float* buf, float* acc, T* out) {
+                           float* score, float* buf, float* acc, const float* sink, T* out) {
   score_rows<GT, V>(qf, Dk, kp, ks0, row, n, score, buf);
   float total[GT];
-  for (int g = 0; g < GT; ++g)  // softmax numerators in place (the queries came scaled)
-    total[g] = exp_sum<V>(score + g * n, n, 1.f, row_max<V>(score + g * n, n));
+  for (int g = 0; g < GT; ++g) {  // softmax numerators in place (the queries came scaled)
+    float mx = row_max<V>(score + g * n, n);
+    if (sink != nullptr) mx = std::max(mx, sink[g]);
+    total[g] = exp_sum<V>(score + g * n, n, 1.f, mx);
+    if (sink != nullptr) total[g] += std::exp(sink[g] - mx);  // the sink's share: no value
+  }
   value_rows<GT, V>(score, vp, vs0, row, n, acc, Dv);
   for (int g = 0; g < GT; ++g)
     for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] = static_cast<T>(acc[g * Dv + d] / total[g]);
@@ -166,21 +173,23 @@ struct Shapes {
 };
 
 // One (sequence, KV head): G queries over keys row[0:n], in tiles of up to 4 query heads.
-// qf: the G scaled queries [G, Dk]; score: room for [4, n]; acc: [4, Dv]; buf: [max(Dk, Dv)]
-// -> out [G, Dv].
+// qf: the G scaled queries [G, Dk]; score: room for [4, n]; acc: [4, Dv]; buf: [max(Dk, Dv)];
+// sink: the G heads' sink logits, or nullptr -> out [G, Dv].
 template <typename V, typename T, typename C>
 PD_INLINE void attend_heads(const Shapes& z, const float* qf, const C* kp, const C* vp,
                             const int64_t* row, int64_t n, float* score, float* acc,
-                            float* buf, T* out) {
+                            float* buf, const float* sink, T* out) {
   const int64_t Dk = z.Dk, Dv = z.Dv;
   for (int64_t g = 0; g < z.G; g += 4) {
     const float* q = qf + g * Dk;
+    const float* s = sink == nullptr ? nullptr : sink + g;
     T* o = out + g * Dv;
+    const int64_t ks0 = z.ks0, vs0 = z.vs0;
     switch (std::min<int64_t>(z.G - g, 4)) {
-      case 4: attend_tile<4, V>(q, Dk, Dv, kp, z.ks0, vp, z.vs0, row, n, score, buf, acc, o); break;
-      case 3: attend_tile<3, V>(q, Dk, Dv, kp, z.ks0, vp, z.vs0, row, n, score, buf, acc, o); break;
-      case 2: attend_tile<2, V>(q, Dk, Dv, kp, z.ks0, vp, z.vs0, row, n, score, buf, acc, o); break;
-      default: attend_tile<1, V>(q, Dk, Dv, kp, z.ks0, vp, z.vs0, row, n, score, buf, acc, o);
+      case 4: attend_tile<4, V>(q, Dk, Dv, kp, ks0, vp, vs0, row, n, score, buf, acc, s, o); break;
+      case 3: attend_tile<3, V>(q, Dk, Dv, kp, ks0, vp, vs0, row, n, score, buf, acc, s, o); break;
+      case 2: attend_tile<2, V>(q, Dk, Dv, kp, ks0, vp, vs0, row, n, score, buf, acc, s, o); break;
+      default: attend_tile<1, V>(q, Dk, Dv, kp, ks0, vp, vs0, row, n, score, buf, acc, s, o);
     }
   }
 }
@@ -188,22 +197,22 @@ PD_INLINE void attend_heads(const Shapes& z, const float* qf, const C* kp, const
 template <typename T, typename C>
 PD_MULTIVERSION void attend_one(const Shapes& z, const float* qf, const C* kp, const C* vp,
                                 const int64_t* row, int64_t n, float* score, float* acc,
-                                float* buf, T* out) {
-  attend_heads<v8>(z, qf, kp, vp, row, n, score, acc, buf, out);
+                                float* buf, const float* sink, T* out) {
+  attend_heads<v8>(z, qf, kp, vp, row, n, score, acc, buf, sink, out);
 }
 
 // The same on 16-float vectors, for CPUs with AVX-512 (wide_cpu()).
 template <typename T, typename C>
 PD_WIDE void attend_one_wide(const Shapes& z, const float* qf, const C* kp, const C* vp,
                              const int64_t* row, int64_t n, float* score, float* acc,
-                             float* buf, T* out) {
-  attend_heads<v16>(z, qf, kp, vp, row, n, score, acc, buf, out);
+                             float* buf, const float* sink, T* out) {
+  attend_heads<v16>(z, qf, kp, vp, row, n, score, acc, buf, sink, out);
 }
 
 template <typename T, typename C>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             const at::Tensor& slots, const at::Tensor& lo, const at::Tensor& hi, double scale,
-            at::Tensor& out) {
+            const float* sinks, at::Tensor& out) {
   const Shapes z{q.size(1),   q.size(2),   q.size(3),   v.size(2),   slots.size(1),
                  k.size(0),   k.stride(0), k.stride(1), v.stride(0), v.stride(1)};
   const int64_t B = q.size(0), G = z.G, Dk = z.Dk, Dv = z.Dv;
@@ -223,15 +232,16 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         qf[i] = static_cast<float>(qp[bh * G * Dk + i]) * static_cast<float>(scale);
       score.resize(4 * (hip[b] - lop[b]));
       auto one = wide ? attend_one_wide<T, C> : attend_one<T, C>;
+      const float* sink = sinks == nullptr ? nullptr : sinks + h * G;
       one(z, qf.data(), kp + h * z.ks1, vp + h * z.vs1, sp + b * z.L + lop[b], hip[b] - lop[b],
-          score.data(), acc.data(), buf.data(), op + bh * G * Dv);
+          score.data(), acc.data(), buf.data(), sink, op + bh * G * Dv);
     }
   });
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& slots, const at::Tensor& lo, const at::Tensor& hi,
-                        double scale) {
+                        double scale, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.dim() == 3, "paged_decode: bad ranks");
   TORCH_CHECK(q.is_contiguous(), "paged_decode: q must be contiguous");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "paged_decode: channels must be contiguous");
@@ -258,13 +268,20 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
       TORCH_CHECK(0 <= sp[b * L + l] && sp[b * L + l] < S, "paged_decode: slot ",
                   sp[b * L + l], " outside [0, ", S, ")");
   }
+  at::Tensor sinks_c;
+  if (sinks.has_value()) {
+    sinks_c = sinks->contiguous();
+    TORCH_CHECK(sinks_c.scalar_type() == at::kFloat && sinks_c.numel() == q.size(1) * q.size(2),
+                "paged_decode: sinks must be float32 [H]");
+  }
+  const float* sp_ = sinks.has_value() ? sinks_c.data_ptr<float>() : nullptr;
   auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(2)}, q.options());
   dispatch_float_types(q.scalar_type(), "paged_decode", [&](auto tag) {
     using T = decltype(tag);
     if (fp8) {
-      attend<T, Fp8>(q, k, v, slots, lo_c, hi_c, scale, out);
+      attend<T, Fp8>(q, k, v, slots, lo_c, hi_c, scale, sp_, out);
     } else {
-      attend<T, T>(q, k, v, slots, lo_c, hi_c, scale, out);
+      attend<T, T>(q, k, v, slots, lo_c, hi_c, scale, sp_, out);
     }
   });
   return out;
@@ -274,7 +291,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k, const at::Tens
 
 TORCH_LIBRARY(pd_runtime, m) {
   m.def("paged_decode(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lo, Tensor hi, "
-        "float scale) -> Tensor");
+        "float scale, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pd_runtime, CPU, m) { m.impl("paged_decode", &paged_decode); }

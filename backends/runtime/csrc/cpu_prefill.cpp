@@ -7,6 +7,8 @@
 //   v    [T, Hkv, Dv]  may be a view of k (MLA: the latent's first Dv channels)
 //   cu   [B + 1] int64 sequence b is tokens [cu[b], cu[b + 1])
 //   window             > 0: a query at position i sees keys (i - window, i]; else [0, i]
+//   sinks [H] float32 or None: a sink logit per query head in every softmax's denominator, with
+//                       no value (gpt-oss): folded into the running max and sum at the end
 //   -> out [T, H, Dv]
 //
 // Work: one task per (sequence, KV head, block of queries), the largest first, taken by the
@@ -30,6 +32,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "vec.h"
@@ -75,6 +78,7 @@ struct Problem {
   float* out;
   int64_t H, Hkv, G, Dk, Dv, qs0, ks0, vs0, window;
   float scale;
+  const float* sinks;  // [H] or nullptr
 };
 
 // Keys query position i sees: [lo(i), i].
@@ -149,7 +153,12 @@ void run_task(const Problem& p, const Task& t, Scratch& w) {
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = t.q0 + r / G, g = r % G;
     float* dst = p.out + ((t.start + i) * p.H + t.h * G + g) * Dv;
-    const float inv = 1.f / w.l[r];
+    float inv = 1.f / w.l[r];
+    if (p.sinks != nullptr) {  // the sink joins the sum (every row saw its own key: m finite)
+      const float sink = p.sinks[t.h * G + g], m = std::max(w.m[r], sink);
+      const float alpha = std::exp(w.m[r] - m);
+      inv = alpha / (w.l[r] * alpha + std::exp(sink - m));
+    }
     for (int64_t d = 0; d < Dv; ++d) dst[d] = w.o[r * Dv + d] * inv;
   }
 }
@@ -190,13 +199,21 @@ void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 }
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor& cu, double scale, int64_t window) {
+                             const at::Tensor& cu, double scale, int64_t window,
+                             const std::optional<at::Tensor>& sinks) {
   check_args(q, k, v, cu);
   const int64_t H = q.size(1), Hkv = k.size(1);
+  at::Tensor sinks_c;
+  if (sinks.has_value()) {
+    sinks_c = sinks->contiguous();
+    TORCH_CHECK(sinks_c.scalar_type() == at::kFloat && sinks_c.numel() == H,
+                "prefill_attention: sinks must be float32 [H]");
+  }
   auto out = at::empty({q.size(0), H, v.size(2)}, q.options());
   const Problem p{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
                   out.data_ptr<float>(), H, Hkv, H / Hkv, q.size(2), v.size(2), q.stride(0),
-                  k.stride(0), v.stride(0), window, static_cast<float>(scale)};
+                  k.stride(0), v.stride(0), window, static_cast<float>(scale),
+                  sinks.has_value() ? sinks_c.data_ptr<float>() : nullptr};
   const auto tasks = make_tasks(cu.data_ptr<int64_t>(), cu.numel() - 1, Hkv, p.G);
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(tasks.size());
@@ -215,7 +232,7 @@ bool prefill_attention_available() { return blas_sgemm() != nullptr; }
 
 TORCH_LIBRARY_FRAGMENT(pd_runtime, m) {
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, float scale, "
-        "int window) -> Tensor");
+        "int window, Tensor? sinks=None) -> Tensor");
   m.def("prefill_attention_available() -> bool", &prefill_attention_available);
 }
 

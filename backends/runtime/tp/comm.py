@@ -21,6 +21,11 @@ class TensorParallelError(RuntimeError):
     """A rank died, a collective failed or timed out; the runner cannot run forwards any more."""
 
 
+class RankAnswerError(TensorParallelError):
+    """A live rank answered a command with an error (``error: ...``): that command failed, the
+    rank is in step and the runner goes on."""
+
+
 def make_store(timeout_s: float) -> dist.TCPStore:
     """Rank 0's rendezvous store on a free loopback port (``.port``)."""
     return dist.TCPStore(

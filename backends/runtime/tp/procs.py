@@ -14,7 +14,7 @@ import os
 import sys
 from multiprocessing.connection import Connection, wait
 
-from .comm import TensorParallelError
+from .comm import RankAnswerError, TensorParallelError
 from .wire import STOP, Command, encode
 from .worker import ERROR, WorkerSpec, worker_main
 
@@ -34,7 +34,8 @@ class WorkerHandle:
         return None if code is None else f"tensor-parallel rank {self.rank} died (exit code {code})"
 
     def answer(self, timeout_s: float, what: str) -> bytes:
-        """The worker's next answer; TensorParallelError on an error answer, death, timeout."""
+        """The worker's next answer; RankAnswerError on an error answer, TensorParallelError on
+        death or timeout."""
         ready = wait([self.conn, self.proc.sentinel], timeout_s)
         if self.conn in ready:
             try:
@@ -43,7 +44,7 @@ class WorkerHandle:
                 msg = b""
             if msg.startswith(ERROR):
                 reason = msg[len(ERROR) :].decode(errors="replace")
-                raise TensorParallelError(f"tensor-parallel rank {self.rank}: {what}: {reason}")
+                raise RankAnswerError(f"tensor-parallel rank {self.rank}: {what}: {reason}")
             if msg:
                 return msg
         if ready:

@@ -36,7 +36,7 @@ from kvtransfer import EntryLayout
 from ..cpu_kernels import cpu_ops
 from ..kv_pool import KVPool
 from ..paged import SeqInput
-from .comm import TensorParallelError, TPGroup, make_store
+from .comm import RankAnswerError, TensorParallelError, TPGroup, make_store
 from .procs import WorkerHandle, spawn_worker, stop_workers
 from .rank import ShardRunner, load_config, load_shard
 from .shard import ShardPlan, TensorParallelConfigError
@@ -202,7 +202,7 @@ class TPModelRunner(ShardRunner):
             try:
                 out.append(w.answer(timeout_s, what))
             except TensorParallelError as e:
-                if w.death(grace_s=0) is None and "no answer" not in str(e):
+                if isinstance(e, RankAnswerError) and w.death(grace_s=0) is None:
                     out.append(ERROR + str(e).encode())
                     continue
                 raise self._fail(str(e)) from e
@@ -214,7 +214,7 @@ class TPModelRunner(ShardRunner):
         try:
             return fn()
         except Exception as e:
-            hint = ""
+            hint = ""  # a hint only, decided by nothing: gloo's timeout has no type of its own
             if "timed out" in str(e).lower():
                 hint = f" (a rank did not answer within {self.timeout_s:g} s)"
             raise self._fail(
@@ -235,22 +235,30 @@ class TPModelRunner(ShardRunner):
             raise ValueError(f"token id outside the vocabulary [0, {vocab})")
 
     # ---- the ModelRunner interface -----------------------------------------------------------
-    def make_pool(self, num_pages: int, page_size: int, role: str = "target") -> KVPool:
+    def make_pool(
+        self, num_pages: int, page_size: int, role="target", num_slots=None, window_pages=None
+    ) -> KVPool:
+        """The pool on every rank (``num_slots``: state slots, unused: a recurrent model is
+        refused tensor parallelism at load). Its sliding-window entry (``pool.window``) goes by
+        an id of its own (:meth:`shard_layouts`, :meth:`kv_agents`)."""
         with self._lock:
             self._check_alive()
-            pool = ShardRunner.make_pool(self, num_pages, page_size, role)
-            pid = next(self._next_id)
-            self._send(Command(MAKE_POOL, pid, num_pages, page_size, role))
+            pool = ShardRunner.make_pool(self, num_pages, page_size, role, None, window_pages)
+            pid, wid = next(self._next_id), next(self._next_id)
+            self._send(Command(MAKE_POOL, pid, num_pages, page_size, role, window_pages, wid))
             answers = self._answers(f"making a pool of {num_pages} pages", self.load_timeout_s)
+            ids = [pid] + ([wid] if pool.window is not None else [])
             if any(a != OK for a in answers):  # e.g. out of memory on a rank
-                self._dead_pools.append(pid)  # dropped where it was made
+                self._dead_pools.extend(ids)  # dropped where it was made
                 _raise_error_answer(answers)
-            self._pool_ids[pool] = pid
-            weakref.finalize(pool, self._dead_pools.append, pid)
+            for entry, i in zip([pool, pool.window], ids, strict=False):
+                self._pool_ids[entry] = i
+                weakref.finalize(entry, self._dead_pools.append, i)
             return pool
 
     def shard_layouts(self, pool: KVPool) -> list[EntryLayout]:
-        """Every rank's layout of ``pool``'s entry, in rank order: its KV heads
+        """Every rank's layout of ``pool``'s entry (or of its ``pool.window``), in rank order:
+        its KV heads
         ``[head_start, head_start + kv_heads)`` of ``total_kv_heads`` (GQA; replicated heads
         appear on several ranks) and ``base_addr`` in THAT rank's process. MLA: the whole latent
         on every rank."""
@@ -289,10 +297,9 @@ class TPModelRunner(ShardRunner):
             self._check_alive()
             pid = self._pool_id(pool)
             self._check_pool(pool)
-            self._meta(pool, [(s.start_pos, len(s.token_ids), s.pages) for s in seqs])
+            self._seqs_meta(pool, seqs)
             self._check_tokens([t for s in seqs for t in s.token_ids])
-            wire = [(list(s.token_ids), s.start_pos, list(s.pages)) for s in seqs]
-            self._send(Command(FORWARD, pid, last_only=last_only, seqs=wire))
+            self._send(Command(FORWARD, pid, last_only=last_only, seqs=_wire(seqs)))
             return self._in_step(lambda: ShardRunner.forward(self, pool, seqs, last_only))
 
     def prefill_batch(self, pool, seqs, groups=None, on_group=None, features: bool = False):
@@ -304,10 +311,9 @@ class TPModelRunner(ShardRunner):
             if not seqs or any(not s.token_ids for s in seqs):
                 raise ValueError("prefill needs at least one token per sequence")
             groups = self._check_groups(groups)
-            self._meta(pool, [(s.start_pos, len(s.token_ids), s.pages) for s in seqs])
+            self._seqs_meta(pool, seqs)
             self._check_tokens([t for s in seqs for t in s.token_ids])
-            wire = [(list(s.token_ids), s.start_pos, list(s.pages)) for s in seqs]
-            self._send(Command(PREFILL, pid, seqs=wire))
+            self._send(Command(PREFILL, pid, seqs=_wire(seqs)))
             held: list[BaseException] = []
 
             def hook(a: int, b: int) -> None:
@@ -321,6 +327,15 @@ class TPModelRunner(ShardRunner):
             if held:
                 raise held[0]
             return out
+
+
+def _wire(seqs: list[SeqInput]) -> list[tuple]:
+    """Each sequence as a FORWARD / PREFILL command carries it (its window pages if any)."""
+    out = []
+    for s in seqs:
+        seq = (list(s.token_ids), s.start_pos, list(s.pages))
+        out.append(seq if s.window_pages is None else (*seq, list(s.window_pages)))
+    return out
 
 
 def _no_features(features: bool) -> None:

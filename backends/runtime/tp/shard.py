@@ -11,9 +11,15 @@ Megatron-style, as vLLM and SGLang shard (written here from the math, not copied
   KV groups unevenly).
   MLA: the latent projection (``kv_a_proj_with_mqa``, its norm) and the latent KV cache are
   replicated; ``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` are sliced by head, o_proj row-parallel.
+  Per-head tensors go with their heads: attention sinks (gpt-oss, ``[H]``) are sliced like the
+  query heads; q/k norms (Qwen3, Gemma 3: one ``[head_dim]`` weight shared by the heads) are
+  replicated.
 * MLP and every MoE expert (routed and shared): gate/up column-parallel, down row-parallel over
   the intermediate dimension (``[r I / N, (r+1) I / N)``, uneven sizes allowed); the router is
-  replicated, so every rank routes the same tokens to the same experts.
+  replicated, so every rank routes the same tokens to the same experts. gpt-oss stores its
+  experts transposed with gate and up interleaved (``gate_up_proj`` [E, D, 2I], ``down_proj``
+  [E, I, D]): a rank's intermediate slice [a, b) is columns [2a, 2b) of ``gate_up_proj`` and of
+  its bias, rows [a, b) of ``down_proj``; ``down_proj_bias`` is rank 0's.
 * embedding replicated; LM head vocabulary-parallel: rank ``r`` holds rows
   ``[r Vp, (r+1) Vp)`` with ``Vp = ceil(V / N)``, zero rows padding the last shard to ``Vp``.
 * biases of row-parallel layers are kept on rank 0 only (added once to the sum).
@@ -99,6 +105,10 @@ class ShardPlan:
 _ATTN = re.compile(r"\.self_attn\.(q_proj|q_b_proj|k_proj|v_proj|kv_b_proj|o_proj)\.(weight|bias)$")
 _MLP = re.compile(r"\.mlp\.(?:.+\.)?(gate_proj|up_proj|down_proj)\.(weight|bias)$")
 _FUSED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_SINKS = re.compile(r"\.self_attn\.sinks$")
+# experts as [E, D, 2I] (gate / up interleaved) and [E, I, D], with biases
+_INTERLEAVED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+INTERLEAVED_EXPERT_ARCHITECTURES = ("GptOssForCausalLM",)
 
 ALL = "all"  # a replicated tensor: every rank holds all of it
 # a slice: (dim, ranges): the ranges [a, b) of dimension `dim`, concatenated along it
@@ -115,6 +125,11 @@ def slice_spec(
     padded to ``plan.vocab_padded`` rows afterwards (:func:`vocab_shard`)."""
     if name == LM_HEAD:
         return 0, (plan.vocab,)
+    if _SINKS.search(name):
+        return 0, (plan.heads,)
+    m = _INTERLEAVED_EXPERTS.search(name)
+    if m and cfg.architecture in INTERLEAVED_EXPERT_ARCHITECTURES:
+        return _interleaved_experts_spec(m.group(1), m.group(2) is not None, shape, plan)
     m = _ATTN.search(name)
     if m:
         return _attention_spec(m.group(1), m.group(2), cfg, plan)
@@ -134,6 +149,19 @@ def slice_spec(
         a, b = plan.split(inter)
         return 1, ((a, b), (inter + a, inter + b))
     return ALL  # replicated: norms, embedding, router, MLA latent projection
+
+
+def _interleaved_experts_spec(
+    proj: str, bias: bool, shape: list[int], plan: ShardPlan
+) -> Slice | str | None:
+    """gpt-oss experts (see the module docstring): gate_up_proj [E, D, 2I], its bias [E, 2I],
+    down_proj [E, I, D], its bias [E, D]."""
+    if proj == "down_proj":
+        if bias:
+            return ALL if plan.rank == 0 else None
+        return 1, (plan.split(shape[1]),)
+    a, b = plan.split(shape[-1] // 2)
+    return len(shape) - 1, ((2 * a, 2 * b),)
 
 
 def _attention_spec(proj: str, kind: str, cfg: ModelConfig, plan: ShardPlan) -> Slice | str | None:

@@ -117,7 +117,17 @@ def _kv_agent(kv_conn: Connection, pools: dict) -> None:
 def serve(runner, conn: Connection, pools: dict) -> None:
     """Run rank 0's commands until STOP or EOF; a failed forward ends the process (exit 1)."""
     from ..paged import SeqInput
-    from .wire import DROP_POOL, FORWARD, LAYOUT, MAKE_POOL, PREFILL, STOP, decode, encode_layout
+    from .wire import (
+        DROP_POOL,
+        FORWARD,
+        LAYOUT,
+        MAKE_POOL,
+        PREFILL,
+        STOP,
+        decode,
+        encode_layout,
+        window_pages_of,
+    )
 
     while True:
         try:
@@ -128,7 +138,12 @@ def serve(runner, conn: Connection, pools: dict) -> None:
             return
         if cmd.op == MAKE_POOL:
             try:
-                pools[cmd.pool_id] = runner.make_pool(cmd.num_pages, cmd.page_size, cmd.role)
+                pool = runner.make_pool(
+                    cmd.num_pages, cmd.page_size, cmd.role, window_pages=cmd.window_pages
+                )
+                pools[cmd.pool_id] = pool
+                if pool.window is not None:  # its sliding-window entry, by an id of its own
+                    pools[cmd.window_id] = pool.window
                 conn.send_bytes(OK)
             except Exception as e:  # e.g. out of memory: rank 0 raises it from make_pool
                 conn.send_bytes(ERROR + f"{type(e).__name__}: {e}".encode())
@@ -145,11 +160,11 @@ def serve(runner, conn: Connection, pools: dict) -> None:
             continue
         try:
             pool = pools[cmd.pool_id]
+            inputs = [SeqInput(*seq[:3], window_pages=window_pages_of(seq)) for seq in cmd.seqs]
             if cmd.op == FORWARD:
-                inputs = [SeqInput(t, s, p) for t, s, p in cmd.seqs]
                 runner.forward(pool, inputs, last_only=cmd.last_only)
             elif cmd.op == PREFILL:
-                runner.prefill_batch(pool, [SeqInput(t, s, p) for t, s, p in cmd.seqs])
+                runner.prefill_batch(pool, inputs)
         except Exception:
             log.exception("tensor-parallel rank %d: forward failed; exiting", runner.plan.rank)
             sys.exit(1)

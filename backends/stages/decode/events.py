@@ -87,6 +87,7 @@ class Responder:
         if r.req.echo and not r.echoed:
             r.echoed = True
             text = (self.tok.decode(r.req.prompt_ids) if self.tok else "") + text
+        kw.setdefault("cached_tokens", r.cached_tokens)
         return DecodeEvent(list(tokens), text, list(logprobs), final=final, **kw)
 
     def heartbeats(self, requests: list[ActiveRequest]) -> None:

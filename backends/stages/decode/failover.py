@@ -33,8 +33,6 @@ __all__ = ["Failover"]
 
 log = logging.getLogger(__name__)
 
-NOT_RETRIED = ("aborted by decode",)  # decode gave the room up itself (client cancel, shutdown)
-
 # (the request under its fresh room, None) once a prefill server took it, else (it, the error)
 OnRerouted = Callable[[ActiveRequest, str | None], None]
 
@@ -63,10 +61,14 @@ class Failover:
 
     def retry(self, r: ActiveRequest, reason: str) -> bool:
         """Re-dispatch ``r`` (whose room failed with ``reason`` before completing) under a fresh
-        room; False when it is not to be retried (then the caller ends it with the error)."""
+        room; False when it is not to be retried (then the caller ends it with the error).
+
+        Decided by the request's state, never by the reason's words: decode gives a room up
+        itself only for a request that already ended (client cancel or gone: cancelled, or
+        ``Phase.DONE``) or while the worker stops, so its own abort is never re-dispatched."""
         if self.router is None or r.cancelled or r.cancel_requested() or self.stopping():
             return False
-        if r.attempts >= self.attempts or reason.startswith(NOT_RETRIED):
+        if r.phase != Phase.TRANSFER or r.attempts >= self.attempts:
             return False
         sampling = r.req.sampling
         if r.early_first is not None and not (sampling.greedy or sampling.seed is not None):

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ...runtime.detok import TextState
+from ...runtime.prefix_cache import Lease
 from ...runtime.sampler import TokenLogprob
 from ..request import StageRequest
 
@@ -33,6 +34,7 @@ class DecodeEvent:
     error_kind: str | None = None  # errors.INVALID / OVERLOADED / INTERNAL
     finish_reason: str | None = None
     heartbeat: bool = False  # no tokens: lets the serving layer check for a client cancel
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache (usage reports them)
 
 
 Emit = Callable[[DecodeEvent], None]
@@ -44,6 +46,8 @@ class ActiveRequest:
     emit: Emit
     is_cancelled: Callable[[], bool] | None
     pages: dict[str, list[int]] = field(default_factory=dict)  # role -> pages ("target", draft)
+    lease: Lease | None = None  # its target pages in a cached pool (decode.worker._alloc)
+    cached_tokens: int = 0  # prompt tokens the prefill side served from its prefix cache
     phase: Phase = Phase.WAITING
     cancelled: bool = False
     out_ids: list[int] = field(default_factory=list)

@@ -45,16 +45,26 @@ from ...runtime.runner import ModelRunner
 from ...runtime.sequence import check_context
 from ...runtime.spec import DraftSpec
 from ...runtime.spec_eagle import spec_engine
+from ...runtime.state_pool import pool_entries, slot_of
 from ...runtime.tokenizer import Tokenizer, has_tokenizer
 from .. import errors
 from ..cancel import CancelListener
-from ..draft import DRAFT, explain_failure, load_stage_draft, make_draft_pool, spec_stats
+from ..draft import (
+    DRAFT,
+    draft_policy,
+    explain_failure,
+    load_stage_draft,
+    make_draft_pool,
+    spec_stats,
+)
 from ..fingerprint import deployment_identity
 from ..latency import Observations
 from ..params import StageParams
-from ..request import StageRequest, draft_feature, first_logprob
+from ..prefix import cache_stats, stage_cache
+from ..request import CACHED_KEY, StageRequest, draft_feature, first_logprob
 from ..router import LOCAL, PrefillRouter
-from ..tp import close_ranks, load_stage_model, rank_agents
+from ..shutdown import stopped
+from ..tp import close_ranks, load_stage_model, make_stage_pool, rank_agents
 from ..trace import TraceWriter
 from .control import RequestControl
 from .events import Responder, streams_early
@@ -64,6 +74,11 @@ from .state import ActiveRequest, DecodeEvent, Emit, Phase, Requests
 log = logging.getLogger(__name__)
 
 __all__ = ["DecodeEvent", "DecodeWorker"]
+
+# at close, how long the step in progress may finish: a decode step takes milliseconds (one
+# that prefills a prompt here: seconds), and the final errors must go out well within a stopping
+# server's 30 s (serve.sh --stop-timeout); a thread still in its step after this is stuck
+JOIN_S = 10.0
 
 COUNTERS = (
     "requests",
@@ -92,16 +107,19 @@ class DecodeWorker:
         # without a tokenizer, as in some tests: no text, no stop strings)
         self.tok = Tokenizer(params.model_path) if has_tokenizer(params.model_path) else None
         self.eos_ids = self.runner.config.eos_token_ids
-        self.pool = self.runner.make_pool(params.num_pages, params.page_size)
+        self.pool = make_stage_pool(self.runner, params, name)
         self.draft = load_stage_draft(params, self.runner)  # None: speculative decoding off
-        self.pools = {"target": self.pool}
+        self.pools = pool_entries(self.pool)  # target KV (+ a hybrid's state slots)
+        self.cache, self.kv_events = stage_cache(params, self.runner, self.pool, self.draft, name)
         size = (params.max_batch, params.max_context)
+        opts = dict(tokenizer=self.tok, prefix_cache=self.cache)
         if self.draft is None:
-            self.engine = LLMEngine(self.runner, self.pool, *size, tokenizer=self.tok)
+            self.engine = LLMEngine(self.runner, self.pool, *size, **opts)
         else:
             dpool = self.pools[DRAFT] = make_draft_pool(params, self.draft)
-            spec = DraftSpec(self.draft, dpool, params.spec_tokens, params.spec_max_batch)
-            self.engine = spec_engine(self.runner, self.pool, spec, *size, tokenizer=self.tok)
+            spec = DraftSpec(self.draft, dpool, params.spec_tokens, params.spec_max_batch,
+                             draft_policy(params))  # fmt: skip
+            self.engine = spec_engine(self.runner, self.pool, spec, *size, **opts)
         cfg = params.transfer_config(identity=deployment_identity(params))
         runners = {"target": self.runner, DRAFT: self.draft}
         self.agents = rank_agents(cfg, cfg.staging_recv_slots, runners, self.pools)
@@ -162,26 +180,34 @@ class DecodeWorker:
             params.probe_interval_s,
             name=f"{self.name}-failover",
             fingerprint=self.receiver.fingerprint,
+            page_size=params.page_size,
+            route_policy=params.route_policy,
         )
 
     # ---- public API (any thread) -------------------------------------------------------------
     def validate(self, req: StageRequest) -> None:
         n, m = len(req.prompt_ids), req.sampling.max_tokens
         if n == 0:
-            raise ValueError("prompt is empty: at least one token is required")
-        check_context(n, m, self.params.max_context)
+            raise errors.InvalidRequest("prompt is empty: at least one token is required")
+        try:
+            check_context(n, m, self.params.max_context)
+        except ValueError as e:
+            code = errors.CONTEXT_LENGTH_EXCEEDED
+            raise errors.InvalidRequest(str(e), "max_tokens", code) from None
         for role, pool in self.pools.items():
             need = pool.pages_needed(n + m - 1)
             if need > pool.num_pages:
                 what = "" if role == "target" else f"{role} "
-                raise ValueError(
+                raise errors.InvalidRequest(
                     f"request needs {need} {what}KV pages, the decode {what}pool has only"
                     f" {pool.num_pages}: it can never run here"
                 )
         if not req.bootstrap_addr:
             raise ValueError("no prefill bootstrap address")
         if req.sampling.stop and self.tok is None:
-            raise ValueError("stop strings need a tokenizer: this model directory has none")
+            raise errors.InvalidRequest(
+                "stop strings need a tokenizer: this model directory has none", "stop"
+            )
 
     def submit(self, req: StageRequest, emit: Emit, is_cancelled: Callable[[], bool] | None = None):
         """Queue a request; raises ValueError (invalid: nothing queued) or errors.Overloaded.
@@ -241,25 +267,35 @@ class DecodeWorker:
         snap["num_pages"] = sum(p.num_pages for p in self.pools.values())
         if self.draft is not None:
             snap.update(spec_stats(self.engine))
+        snap.update(cache_stats(self.cache))
         return snap
 
     def idle(self) -> bool:
         """No request held in any phase."""
         return not self.requests.all()
 
-    def close(self) -> None:
-        """Every request not yet finished gets a final error; then the threads stop."""
+    def close(self, join_s: float = JOIN_S) -> None:
+        """Stop the loop thread (the step it runs may finish, for at most ``join_s`` seconds);
+        then every request not yet finished gets a final error (a room still transferring is
+        aborted: prefill is told to stop writing, best effort) and the threads stop. A loop
+        thread still in its step after ``join_s`` (a hung kernel or rank) still uses the
+        receiver and the ranks: they stay open (an error is logged) and go with the process."""
         with self.requests.cond:
             self._stop = True
             self.requests.cond.notify_all()
-        self._thread.join(timeout=10)
+        stuck = not stopped(self._thread, join_s, self.name, "the KV receiver and the ranks")
         for r in self.requests.all():
+            if r.phase == Phase.TRANSFER:
+                self.receiver.abort(r.req.room, "decode instance shutting down")
             if r.phase != Phase.DONE:
                 self.out.finish(r, error="decode instance shutting down", kind=errors.OVERLOADED)
         self.failover.close()
         self.cancel_listener.close()
-        self.receiver.close()
-        close_ranks([self.runner, self.draft], self.agents)
+        if self.kv_events is not None:
+            self.kv_events.close()
+        if not stuck:
+            self.receiver.close()
+            close_ranks([self.runner, self.draft], self.agents)
 
     # ---- hand-offs to the loop thread --------------------------------------------------------
     def _post(self, inbox: deque, item) -> None:
@@ -295,22 +331,66 @@ class DecodeWorker:
                     self._local.append(held.waiting.popleft())
                     held.cond.notify_all()
                     continue
-                n = len(r.req.prompt_ids) + r.req.sampling.max_tokens - 1
-                need = {role: p.pages_needed(n) for role, p in self.pools.items()}
-                if any(need[role] > p.num_free for role, p in self.pools.items()):
+                need = self._need(r)
+                if not self._fits(r.req.prompt_ids, need):
                     return
                 held.waiting.popleft()
-                r.pages = {role: p.alloc(need[role]) for role, p in self.pools.items()}
+                r.pages, r.lease = self._alloc(r.req.prompt_ids, need)
                 r.phase = Phase.TRANSFER
                 held.transfers[r.req.room] = r
             self._register(r)
 
+    def _need(self, r: ActiveRequest) -> dict[str, int]:
+        """Pages of every entry a prefilled request holds from admission to its end: for
+        prompt + max_tokens (a sliding-window entry: what its window reaches at once)."""
+        prompt, new = len(r.req.prompt_ids), r.req.sampling.max_tokens
+        need = {role: p.pages_needed(prompt + new - 1) for role, p in self.pools.items()}
+        plan = self.engine.window_plan(prompt, new)
+        if plan is not None:
+            need[self.pool.window.layout.role] = plan.reserve
+        return need
+
+    def _fits(self, prompt: list[int], need: dict[str, int]) -> bool:
+        """Every entry has the pages ``need`` asks for (the target's cached prefix counted as
+        held: only the rest is allocated)."""
+        for role, pool in self.pools.items():
+            if role == "target" and self.cache is not None:
+                if not self.cache.fits(prompt, need[role], len(prompt)):
+                    return False
+            elif need[role] > pool.num_free:
+                return False
+        return True
+
+    def _alloc(self, prompt: list[int], need: dict[str, int]):
+        """(pages of every entry, the target's lease in a cached pool: the prompt's cached blocks
+        first, which prefill then sends none of). Call after :meth:`_fits`."""
+        pages: dict[str, list[int]] = {}
+        lease = None
+        for role, pool in self.pools.items():
+            if role == "target" and self.cache is not None:  # a whole-prompt hit is allowed:
+                lease = self.cache.acquire(prompt, need[role], len(prompt))  # prefill samples
+                pages[role] = lease.pages
+            else:
+                pages[role] = pool.alloc(need[role])
+        return pages, lease
+
     def _register(self, r: ActiveRequest) -> None:
         prompt = len(r.req.prompt_ids)
-        dst = {role: r.pages[role][: self.pools[role].pages_needed(prompt)] for role in r.pages}
+        first = {"target": r.lease.num_cached_pages} if r.lease is not None else {}
+        dst = {
+            role: r.pages[role][first.get(role, 0) : self.pools[role].pages_needed(prompt)]
+            for role in r.pages
+        }
+        window = self.pool.window
+        if window is not None:  # only the blocks the prompt's last window reaches move
+            role = window.layout.role
+            first[role], count = window.layout.pages_for(prompt)
+            dst[role] = r.pages[role][:count]
         callbacks = (self._on_release, self._on_fail, self._on_first)
         try:
-            self.receiver.register(r.req.room, [r.req.bootstrap_addr], dst, prompt, *callbacks)
+            self.receiver.register(
+                r.req.room, [r.req.bootstrap_addr], dst, prompt, *callbacks, first=first
+            )
             r.t["registered"] = time.time()
         except Exception as e:  # bad address, room id in use...: this request only
             with self.requests.cond:
@@ -407,6 +487,7 @@ class DecodeWorker:
             try:
                 seq = self.engine.add_request(r.seq_id, r.req.prompt_ids, r.req.sampling)
                 r.text = seq.text  # the engine's detokenizer (a fresh one: nothing streamed yet)
+                r.cached_tokens = seq.num_cached_tokens
             except Exception as e:  # this request only
                 self.out.finish(r, error=f"decode could not take the request: {e}")
                 continue
@@ -440,6 +521,7 @@ class DecodeWorker:
     def _add_prefilled(self, r: ActiveRequest, first: int, extra: dict) -> None:
         """Hand the request to the engine, which owns (and frees) its pages from then on."""
         lp, feature = first_logprob(extra, first, r.req.sampling), draft_feature(extra)
+        r.cached_tokens = int(extra.get(CACHED_KEY, 0))
         self.engine.add_prefilled(
             r.seq_id,
             r.req.prompt_ids,
@@ -450,13 +532,20 @@ class DecodeWorker:
             first_logprob=lp,
             text=r.text,
             draft_feature=feature,
+            slot=slot_of(r.pages),
+            lease=r.lease,
+            window_pages=r.pages.get("target.window"),
         )
-        r.pages = {}
+        r.pages, r.lease = {}, None
 
     def _free(self, r: ActiveRequest) -> None:
         pages, r.pages = r.pages, {}
+        lease, r.lease = r.lease, None
         for role, ids in pages.items():
-            self.pools[role].free(ids)
+            if role == "target" and lease is not None:
+                lease.release()
+            else:
+                self.pools[role].free(ids)
 
     def _step(self) -> None:
         batch = len(self.engine.running)
@@ -478,7 +567,7 @@ class DecodeWorker:
         reasons = {s.seq_id: s.finish_reason for s in out.finished}
         for seq_id in set(out.new_tokens) | set(reasons):
             r = self.requests.running.get(seq_id)
-            if r is None:
+            if r is None or r.phase == Phase.DONE:  # close() ended it while this step ran
                 continue
             if seq_id in out.errors:  # this sequence failed; the others go on
                 del self.requests.running[seq_id]

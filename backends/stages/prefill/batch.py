@@ -9,16 +9,26 @@ sent before the KV lands; the draft's prompt KV follows as the ``draft`` entry.
 
 One room's failure (a send that raises, a room decode aborted between groups, a sampling error)
 fails that room only: it leaves the batch, and the forward goes on for the others; the forward
-stops early only when no room is left. A prompt longer than the budget is computed alone, in
-chunks of ``max_prefill_tokens`` (chunked prefill): each chunk reads the earlier chunks' KV from
-the pool through its pages, and the last chunk's layer groups are what streams (then every page of
-the room holds the layer's final KV).
+stops early only when no room is left. Anything else that raises (the forward, sampling,
+logprobs, the draft) fails every room still in the batch: :func:`compute` raises nothing, each
+member carries its error, and the worker aborts each failed room (its pages freed, decode told at
+once).
+
+A prompt longer than the budget is computed alone, in chunks of ``max_prefill_tokens`` (chunked
+prefill): each chunk reads the earlier chunks' KV from the pool through its pages, and the last
+chunk's layer groups are what streams (then every page of the room holds the layer's final KV).
+
+A hybrid model's layer group [a, b) streams each entry's layers in it: the attention layers'
+pages (entry ``target``) and the recurrent layers' final states (entry ``target.state``, the
+room's slot), behind the same fence; a state is final once its layer ran over the whole prompt,
+so it goes with its group and never waits for the last one (:func:`entry_layers`).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,14 +37,17 @@ import torch
 
 from kvtransfer import KVSender
 
+from ...runtime.config import ModelConfig
 from ...runtime.eagle import EagleHead
 from ...runtime.kv_pool import KVPool
 from ...runtime.paged import SeqInput
+from ...runtime.prefix_cache import Lease
 from ...runtime.runner import ModelRunner
 from ...runtime.sampler import sample, token_logprobs
+from ...runtime.state_pool import slot_of
 from ..draft import DRAFT, copy_prefix_kv
 from ..policy import LayerGroupPolicy
-from ..request import FEATURE_KEY, StageRequest, logprob_extra
+from ..request import CACHED_KEY, FEATURE_KEY, StageRequest, logprob_extra
 
 Groups = list[tuple[int, int]]
 
@@ -67,6 +80,7 @@ class Member:
     req: StageRequest
     pages: dict[str, list[int]]
     timing: dict = field(default_factory=dict)
+    lease: Lease | None = None  # its target pages in a cached pool (the cached prefix first)
     first_token: int | None = None
     extra: dict = field(default_factory=dict)  # Complete's extra (the first token's logprobs)
     error: Exception | None = None
@@ -117,6 +131,22 @@ def gather(
         cond.wait(end - now)  # a registration notifies
 
 
+def entry_layers(cfg: ModelConfig, a: int, b: int) -> dict[str, range]:
+    """Each target entry's own layers among model layers [a, b) (an entry numbers only its
+    layers: the KV pool's layer j is attention layer j); entries without one are left out."""
+    out = {}
+    kinds = (
+        ("target", cfg.full_kv_layers),
+        ("target.window", cfg.window_kv_layers),
+        ("target.state", cfg.recurrent_layers),
+    )
+    for role, layers in kinds:
+        lo, hi = bisect_left(layers, a), bisect_left(layers, b)
+        if hi > lo:
+            out[role] = range(lo, hi)
+    return out
+
+
 def chunks(n: int, budget: int) -> list[tuple[int, int]]:
     """[start, end) pieces of a prompt of ``n`` tokens, each at most ``budget`` long."""
     return [(a, min(a + budget, n)) for a in range(0, n, budget)]
@@ -137,10 +167,12 @@ def compute(ctx: BatchContext, members: list[Member], groups: Groups | None = No
 
     def on_group(a: int, b: int) -> None:  # layers [a, b) are launched: fence, hand over
         fence = ctx.record_fence()
+        parts = entry_layers(runner.config, a, b)
         for m in list(live):
             m.timing.setdefault("groups", []).append([a, b, time.time()])
             try:
-                sender.send_group(m.req.room, "target", range(a, b), fence)
+                for role, layers in parts.items():
+                    sender.send_group(m.req.room, role, layers, fence)
                 if b < n_layers and not sender.is_live(m.req.room):
                     raise RoomGone("the room ended while prefill computed it")
             except Exception as e:  # this room only
@@ -148,41 +180,54 @@ def compute(ctx: BatchContext, members: list[Member], groups: Groups | None = No
         if not live:
             raise RoomGone("every room of the batch ended while prefill computed it")
 
-    seqs = [SeqInput(m.req.prompt_ids, 0, m.pages["target"]) for m in members]
+    seqs = [_suffix(m) for m in members]
     head = isinstance(ctx.draft, EagleHead)  # it reads the target's features
     try:
         early: list = []
-        if len(members) == 1 and len(members[0].req.prompt_ids) > budget:  # chunked prefill
+        if len(members) == 1 and len(seqs[0].token_ids) > budget:  # chunked prefill
             last, early = _earlier_chunks(ctx, members[0], budget, head)
             seqs = [last]
         total = sum(len(s.token_ids) for s in seqs)
         groups = groups or ctx.policy.groups(total, n_layers)
         out = runner.prefill_batch(ctx.pool, seqs, groups, on_group, features=head)
+        for m in live:  # the prompt's KV is final: its blocks may serve later prompts
+            if m.lease is not None:
+                m.lease.commit(m.req.prompt_ids, len(m.req.prompt_ids))
         logits, feats = out if head else (out, None)  # [B, vocab]; per room [P, hidden]
         if early:
             feats = [torch.cat([*early, *feats])]
-    except Exception as e:  # the forward failed, or no room is left: every live room fails
-        for m in list(live):
+        _first_tokens(ctx, members, live, logits, drop)
+        for m in live:  # usage reports the prompt tokens no one computed
+            m.extra[CACHED_KEY] = _suffix(m).start_pos
+        _draft(ctx, live, drop, dict(zip(map(id, members), feats or [], strict=False)))
+    except Exception as e:  # the forward, sampling or logprobs failed, or no room is left:
+        for m in list(live):  # every room still live fails (the worker aborts each)
             drop(m, e)
-        return
-    _first_tokens(ctx, members, live, logits, drop)
-    _draft(ctx, live, drop, dict(zip(map(id, members), feats or [], strict=False)))
+
+
+def _suffix(m: Member) -> SeqInput:
+    """What a forward computes of ``m``'s prompt: the tokens after its cached prefix."""
+    cached = m.lease.num_cached_tokens if m.lease is not None else 0
+    ids = m.req.prompt_ids
+    window = m.pages.get("target.window")  # a page per prompt block: prefill writes them all
+    return SeqInput(ids[cached:], cached, m.pages["target"], slot_of(m.pages), window)
 
 
 def _earlier_chunks(ctx: BatchContext, m: Member, budget: int, features: bool):
-    """Prefill every chunk of ``m``'s prompt but the last (no streaming: later chunks rewrite
-    nothing, but a layer's KV is complete only after the last chunk). -> (the last chunk's
-    input, the earlier chunks' features when asked for)."""
-    ids, pages = m.req.prompt_ids, m.pages["target"]
-    *first, (a, b) = chunks(len(ids), budget)
+    """Prefill every chunk of ``m``'s prompt (after its cached prefix) but the last (no
+    streaming: later chunks rewrite nothing, but a layer's KV is complete only after the last
+    chunk). -> (the last chunk's input, the earlier chunks' features when asked for)."""
+    ids, pages, slot = m.req.prompt_ids, m.pages["target"], slot_of(m.pages)
+    start, window = _suffix(m).start_pos, m.pages.get("target.window")
+    *first, (a, b) = [(start + c0, start + c1) for c0, c1 in chunks(len(ids) - start, budget)]
     feats = []
-    for c0, c1 in first:
-        chunk = [SeqInput(ids[c0:c1], c0, pages)]
+    for c0, c1 in first:  # a recurrent state carries from chunk to chunk in the room's slot
+        chunk = [SeqInput(ids[c0:c1], c0, pages, slot, window)]
         out = ctx.runner.prefill_batch(ctx.pool, chunk, features=features)
         feats += out[1] if features else []
         if not ctx.sender.is_live(m.req.room):
             raise RoomGone("the room ended while prefill computed it")
-    return SeqInput(ids[a:b], a, pages), feats
+    return SeqInput(ids[a:b], a, pages, slot, window), feats
 
 
 def _first_tokens(ctx: BatchContext, members, live, logits, drop) -> None:

@@ -35,19 +35,28 @@ from kvtransfer import KVSender, RoomStatus
 
 from ...runtime.device import record_fence
 from ...runtime.kv_pool import KVPool
+from ...runtime.prefix_cache import Lease
 from ...runtime.runner import ModelRunner
+from ...runtime.state_pool import pool_entries
 from ..draft import DRAFT, load_stage_draft, make_draft_pool, shares_target_layers
-from ..errors import Overloaded
+from ..errors import InvalidRequest, Overloaded
 from ..fingerprint import deployment_identity
 from ..latency import Observations
 from ..params import StageParams
+from ..prefix import cache_stats, stage_cache
 from ..request import StageRequest
-from ..tp import close_ranks, load_stage_model, rank_agents
+from ..shutdown import stopped
+from ..tp import close_ranks, load_stage_model, make_stage_pool, rank_agents
 from ..trace import TraceWriter
 from .batch import BatchContext, Groups, Member, RoomGone, compute, gather, take
 
 log = logging.getLogger(__name__)
 DRAIN_S = 30.0  # at close, how long KV already computed may keep moving to its decode
+# at close, how long the batch in progress may finish its forward: a batch of
+# prefill_batch_tokens (512 by default) takes well under a second on a GPU and a few seconds on
+# a CPU, and the aborts must go out well within a stopping server's 30 s (serve.sh
+# --stop-timeout); a thread still in its forward after this is stuck (a hung kernel or rank)
+JOIN_S = 10.0
 
 
 @dataclass
@@ -83,9 +92,10 @@ class PrefillWorker:
     ):
         self.params = params
         self.runner = runner or load_stage_model(params)
-        self.pool: KVPool = self.runner.make_pool(params.num_pages, params.page_size)
+        self.pool: KVPool = make_stage_pool(self.runner, params, name)
         self.draft = load_stage_draft(params, self.runner)  # None: speculative decoding off
         self.draft_pool = make_draft_pool(params, self.draft) if self.draft else None
+        self.cache, self.kv_events = stage_cache(params, self.runner, self.pool, self.draft, name)
         self._batch_tokens = min(params.prefill_batch_tokens, params.max_prefill_tokens)
         self._gather_s = params.prefill_gather_ms / 1e3  # see _burst
         cfg = params.transfer_config(instance_index, deployment_identity(params))
@@ -118,7 +128,8 @@ class PrefillWorker:
         self.counters = dict.fromkeys(keys, 0)
         self._cond = threading.Condition()
         self._jobs: dict[int, _Job] = {}  # room -> job, until on_done ran
-        self._room_pages: dict[int, dict[str, list[int]]] = {}  # until the room's release
+        # room -> (its pages of every entry, its lease in a cached pool), until its release
+        self._room_pages: dict[int, tuple[dict[str, list[int]], Lease | None]] = {}
         self._ready: deque[int] = deque()  # registered rooms, in registration order
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-compute", daemon=True)
@@ -149,14 +160,14 @@ class PrefillWorker:
             raise
 
     def check(self, req: StageRequest) -> None:
-        """ValueError for a request this stage can never run."""
+        """InvalidRequest for a request this stage can never run."""
         if not req.prompt_ids:
-            raise ValueError("prompt is empty")
+            raise InvalidRequest("prompt is empty")
         for _, pool in self._pools():
             n = pool.pages_needed(len(req.prompt_ids))
             if n > pool.num_pages:
                 what = pool.layout.role
-                raise ValueError(
+                raise InvalidRequest(
                     f"prompt needs {n} {what} KV pages but the prefill {what} pool has"
                     f" {pool.num_pages} (raise num_pages)"
                 )
@@ -194,33 +205,51 @@ class PrefillWorker:
         snap["queued_tokens"] = self.queued_tokens
         snap["pages_in_use"] = self.pages_in_use
         snap["num_pages"] = sum(p.num_pages for _, p in self._pools())
+        snap.update(cache_stats(self.cache))
         return snap
 
     def room_stats(self, room: int) -> dict | None:
         return self.sender.stats_for(room)
 
-    def close(self, drain_s: float = DRAIN_S) -> None:
-        """Stop the compute thread; every request not yet answered gets a final error. KV
-        already computed keeps moving to its decode for at most ``drain_s`` seconds (a model
-        reload or a server stop does not cut the transfers of requests prefill answered)."""
+    def close(self, drain_s: float = DRAIN_S, join_s: float = JOIN_S) -> None:
+        """Stop the compute thread: the batch it runs may finish its forward, for at most
+        ``join_s`` seconds. Then every request not yet answered gets a final error and its room
+        is aborted (pages freed, decode told). KV already computed keeps moving to its decode
+        for at most ``drain_s`` seconds (a model reload or a server stop does not cut the
+        transfers of requests prefill answered); then the sender and the ranks close. A compute
+        thread still in its forward after ``join_s`` (a hung kernel or rank) still uses them:
+        they stay open (an error is logged) and go with the process."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        self._thread.join(timeout=10)
-        for room in list(self._jobs):
+        stuck = not stopped(self._thread, join_s, self.name, "the KV sender and the ranks")
+        with self._cond:
+            aborted = list(self._jobs)
+        for room in aborted:
             self.sender.abort(room, "prefill instance shutting down")
             self._done(room, PrefillResult(room, error="prefill instance shutting down"))
         end = time.monotonic() + drain_s
+        while not self._drained(aborted) and time.monotonic() < end:
+            with self._cond:
+                self._cond.wait(0.05)  # a release notifies
         with self._cond:
-            while self._room_pages and time.monotonic() < end:
-                self._cond.wait(0.05)
             left = len(self._room_pages)
         if left:
             log.warning(
                 "%s: %d transfers still in flight after %gs; closing", self.name, left, drain_s
             )
-        self.sender.close()
-        close_ranks([self.runner, self.draft], self.agents)
+        if self.kv_events is not None:
+            self.kv_events.close()
+        if not stuck:
+            self.sender.close()
+            close_ranks([self.runner, self.draft], self.agents)
+
+    def _drained(self, aborted: list[int]) -> bool:
+        """No KV still moving, and every room ``aborted`` ended (its Fail went to decode)."""
+        with self._cond:
+            if self._room_pages:
+                return False
+        return not any(self.sender.is_live(room) for room in aborted)
 
     # ---- control thread callbacks --------------------------------------------------------------
     def _registered(self, room: int) -> None:
@@ -236,10 +265,10 @@ class PrefillWorker:
         reached the compute thread ends here."""
         with self._cond:
             job = self._jobs.get(room)
-            pages = self._room_pages.pop(room, {})
+            pages, lease = self._room_pages.pop(room, ({}, None))
             not_started = job is not None and job.state < JobState.COMPUTING
             self._cond.notify_all()  # close() may be draining
-        self._free(pages)
+        self._free(pages, lease)
         if self.trace.enabled:
             st = self.sender.stats_for(room)
             if st is not None:
@@ -264,26 +293,43 @@ class PrefillWorker:
 
     # ---- compute thread ----------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._ready and not self._stop:
-                    self._cond.wait(0.5)
-                if self._stop:
-                    return
-                gather(self._cond, self._burst, self._batch_tokens, self._gather_s)
-                rooms = take(self._ready, self._ready_tokens, self._batch_tokens)
-                jobs = [self._jobs[r] for r in rooms]
-                for job in jobs:
-                    job.state = JobState.COMPUTING
+        while not self._stop:
             try:
-                results = self._compute_jobs(jobs)
-            except Exception as e:  # never kills the thread
+                self._next_batch()
+            except Exception:  # never kills the thread (a batch's own errors end its rooms)
                 self.counters["loop_errors"] += 1
-                log.exception("%s: rooms %s: unexpected error", self.name, rooms)
-                err = f"prefill failed: internal error ({e})"
-                results = [PrefillResult(r, error=err) for r in rooms]
-            for res in results:
-                self._done(res.room, res)
+                log.exception("%s: compute loop iteration failed", self.name)
+                time.sleep(0.01)
+
+    def _next_batch(self) -> None:
+        with self._cond:
+            while not self._ready and not self._stop:
+                self._cond.wait(0.5)
+            if self._stop:
+                return
+            gather(self._cond, self._burst, self._batch_tokens, self._gather_s)
+            rooms = take(self._ready, self._ready_tokens, self._batch_tokens)
+            jobs = [self._jobs[r] for r in rooms]
+            for job in jobs:
+                job.state = JobState.COMPUTING
+        try:
+            results = self._compute_jobs(jobs)
+        except Exception as e:
+            self.counters["loop_errors"] += 1
+            log.exception("%s: rooms %s: unexpected error", self.name, rooms)
+            results = self._abort_taken(jobs, f"prefill failed: internal error ({e})")
+        for res in results:
+            self._done(res.room, res)
+
+    def _abort_taken(self, jobs: list[_Job], error: str) -> list[PrefillResult]:
+        """A batch raised: abort each room it took and did not put back in the queue (the
+        release callback frees its pages; decode hears Fail as soon as no write of the room is
+        in flight, not after ``transfer_timeout_s``) -> their results."""
+        with self._cond:
+            taken = [j.req.room for j in jobs if j.state == JobState.COMPUTING]
+        for room in taken:
+            self.sender.abort(room, error)
+        return [PrefillResult(room, error=error) for room in taken]
 
     def _burst(self, now: float) -> tuple[int, bool]:
         """Holds ``_cond``: (ready prompt tokens, more rooms on their way: submitted within
@@ -307,7 +353,7 @@ class PrefillWorker:
         members, results = [], []
         for i, job in enumerate(jobs):
             req = job.req
-            if i and not self._pages_free(len(req.prompt_ids)):
+            if i and not self._pages_free(req.prompt_ids):
                 self._requeue(jobs[i:])
                 break
             self.latency.observe("queue", now - job.queued_at)
@@ -315,14 +361,14 @@ class PrefillWorker:
             try:
                 if not self.sender.is_live(req.room):
                     raise RoomGone("the room ended before prefill started it")
-                m.pages = self._alloc_pages(len(req.prompt_ids))
-                with self._cond:
-                    self._room_pages[req.room] = m.pages  # freed by _released, exactly once
+                m.pages, m.lease = self._alloc_pages(req.prompt_ids)
+                with self._cond:  # freed by _released, exactly once
+                    self._room_pages[req.room] = (m.pages, m.lease)
                 try:
                     self.sender.start_room(req.room, m.pages)
                 except Exception:  # whoever pops the entry frees the pages: exactly once
                     with self._cond:
-                        self._free(self._room_pages.pop(req.room, {}))
+                        self._free(*self._room_pages.pop(req.room, ({}, None)))
                     raise
                 members.append(m)
             except Exception as e:
@@ -339,8 +385,15 @@ class PrefillWorker:
                 job.state = JobState.READY
                 self._ready.appendleft(job.req.room)
 
-    def _pages_free(self, num_tokens: int) -> bool:
-        return all(pool.num_free >= pool.pages_needed(num_tokens) for _, pool in self._pools())
+    def _pages_free(self, prompt: list[int]) -> bool:
+        n = len(prompt)
+        if self.cache is not None and not self.cache.fits(prompt, self.pool.pages_needed(n)):
+            return False
+        return all(
+            pool.num_free >= pool.pages_needed(n)
+            for role, pool in self._pools()
+            if role != "target" or self.cache is None
+        )
 
     def prefill_one(self, req: StageRequest, groups: Groups | None = None) -> PrefillResult:
         """Prefill one request NOW on the calling thread, without waiting for decode's
@@ -350,57 +403,71 @@ class PrefillWorker:
         self.counters["requests"] += 1
         try:
             self.check(req)
-            m.pages = self._alloc_pages(len(req.prompt_ids))
-            pages = m.pages
-            self.sender.start_room(req.room, pages, lambda room, st: self._free(pages))
-        except Exception as e:
-            self._free(m.pages)
+            m.pages, m.lease = self._alloc_pages(req.prompt_ids)
+            pages, lease = m.pages, m.lease
+            self.sender.start_room(req.room, pages, lambda room, st: self._free(pages, lease))
+        except Exception as e:  # never started here (a room id in use is another's to end)
+            self._free(m.pages, m.lease)
             m.error = e
-            return self._result(m)
+            return self._result(m, ours=False)
         self.counters["batches"] += 1
         compute(self.batch, [m], groups)
         return self._result(m)
 
-    def _result(self, m: Member) -> PrefillResult:
+    def _result(self, m: Member, ours: bool = True) -> PrefillResult:
+        """``ours``: the room is this worker's (it expected or started it): a failure aborts it."""
         res = PrefillResult(m.req.room, m.first_token, timing=m.timing)
         if m.error is not None:
             res.first_token = None
-            self._failed(res, m.error)
+            self._failed(res, m.error, ours and not isinstance(m.error, RoomGone))
         record = {"stage": "prefill", "worker": self.name, "room": res.room, "error": res.error}
         self.trace.write({**record, **res.timing})
         return res
 
-    def _failed(self, res: PrefillResult, e: Exception) -> None:
+    def _failed(self, res: PrefillResult, e: Exception, abort: bool) -> None:
         self.counters["failed"] += 1
         res.error = f"prefill failed: {e}"
         log.warning("%s: room %d: %s", self.name, res.room, res.error)
-        if not isinstance(e, (KeyError, RoomGone)):  # a room id in use is not ours to end
-            self.sender.abort(res.room, str(e))  # the release callback frees the pages
+        if abort:  # the release callback frees the pages; decode hears Fail once writes drained
+            self.sender.abort(res.room, str(e))
 
     # ---- pages -------------------------------------------------------------------------------
     def _pools(self) -> list[tuple[str, KVPool]]:
+        """Every entry a room holds pages of: the target's KV (and its recurrent layers' state
+        slot, a hybrid model), the draft's KV."""
         draft = [(DRAFT, self.draft_pool)] if self.draft_pool is not None else []
-        return [("target", self.pool), *draft]
+        return [*pool_entries(self.pool).items(), *draft]
 
-    def _alloc_pages(self, num_tokens: int) -> dict[str, list[int]]:
-        """Pages of every pool for the prompt. Pages of finished rooms come back after their
-        last write (release callback): wait for them, at most ``transfer_timeout_s``."""
+    def _alloc_pages(self, prompt: list[int]) -> tuple[dict[str, list[int]], Lease | None]:
+        """Pages of every pool for the prompt, and with a prefix cache the lease of its target
+        pages (its cached prefix shared: prefill computes the rest). Pages of finished rooms
+        come back after their last write (release callback): wait for them, at most
+        ``transfer_timeout_s``."""
         end = time.monotonic() + self.params.transfer_timeout_s
         pages: dict[str, list[int]] = {}
+        lease = None
         try:
             for role, pool in self._pools():
-                n = pool.pages_needed(num_tokens)
-                while pool.num_free < n:
+                n = pool.pages_needed(len(prompt))
+                cached = role == "target" and self.cache is not None
+                while not (self.cache.fits(prompt, n) if cached else pool.num_free >= n):
                     if time.monotonic() > end:
                         raise TimeoutError(f"no {n} free prefill {role} KV pages in time")
                     time.sleep(0.005)
-                pages[role] = pool.alloc(n)
+                if cached:
+                    lease = self.cache.acquire(prompt, n)
+                    pages[role] = lease.pages
+                else:
+                    pages[role] = pool.alloc(n)
         except Exception:
-            self._free(pages)
+            self._free(pages, lease)
             raise
-        return pages
+        return pages, lease
 
-    def _free(self, pages: dict[str, list[int]]) -> None:
+    def _free(self, pages: dict[str, list[int]], lease: Lease | None = None) -> None:
+        """Give back a room's pages (its lease's, in a cached pool), exactly once."""
         for role, pool in self._pools():
-            if pages.get(role):
+            if role == "target" and lease is not None:
+                lease.release()
+            elif pages.get(role):
                 pool.free(pages[role])

@@ -9,6 +9,7 @@ until prefill is done with the room (an empty final response), or breaks when th
 
 from __future__ import annotations
 
+import logging
 import queue
 import re
 import struct
@@ -19,6 +20,7 @@ from collections.abc import Callable
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from .. import errors
 from .. import request as rq
 from ..fingerprint import PARAM, from_labels
 from ..metrics import INFO
@@ -28,14 +30,19 @@ QUEUE_METRIC = "pd_queued_prompt_tokens"
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _LEN = struct.Struct("<I")  # Triton's BYTES element: 4-byte little-endian length, then bytes
 
+log = logging.getLogger(__name__)
+
 
 class Refused(RuntimeError):
     """The server did not take the request. ``down``: it is unreachable or hung (mark it down);
-    else it answered with an error (e.g. overloaded) and stays up."""
+    else it answered with an error and stays up. ``tag``: that error's kind, param and code
+    (``errors.parse_tag`` of the server's message: overloaded, invalid, an incompatible
+    deployment's code; ``internal`` for a message without a tag, a broken call's among them)."""
 
     def __init__(self, message: str, down: bool):
         super().__init__(message)
         self.down = down
+        self.tag = errors.parse_tag(message)
 
 
 def infer_request(req: rq.StageRequest, fingerprint: str = "") -> service_pb2.ModelInferRequest:
@@ -75,6 +82,7 @@ class Forward:
     def __init__(
         self, stub, req: rq.StageRequest, on_end: Callable[[str | None, bool], None], fp: str = ""
     ):
+        self.name = f"forward of room {req.room}"
         self._first: queue.Queue = queue.Queue(maxsize=1)
         self._done = threading.Event()
         self._on_end = on_end
@@ -119,6 +127,7 @@ class Forward:
                 answered = True
         except Exception as e:  # a garbled answer: this request only
             err = f"bad answer: {e}"
+            log.warning("%s: %s", self.name, err)
         finally:
             if not answered:
                 self._first.put(("error", err or "finished without an answer"))
@@ -126,8 +135,8 @@ class Forward:
             self._call.cancel()
             try:
                 self._on_end(err, down)
-            except Exception:  # noqa: BLE001 - the caller's callback must not kill the pump
-                pass
+            except Exception:  # never kills the pump, never silent: failover depends on it
+                log.exception("%s: handling its end (error: %s) failed", self.name, err)
 
 
 class PrefillClient:

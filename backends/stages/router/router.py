@@ -13,8 +13,16 @@ two reads spreads over the servers instead of piling onto the one that looked id
 the server that took fewer requests.
 
 Each server is ``Up``, ``Down`` or ``Incompatible`` (:mod:`.servers`). A forward the server
-refused with an error response (e.g. overloaded) moves on to the next server without marking it
-down.
+refused with an error response moves on to the next server without marking it down. What the
+refusal was is read from its error's tag (:mod:`..errors`), never from its words:
+
+* ``overloaded``: try the next server; when every server refused so, the request is
+  ``errors.Overloaded`` (retry later);
+* ``invalid``: the request itself is at fault, and every server of this deployment would say so:
+  ``errors.InvalidRequest`` at once, with the server's param and code;
+* code ``incompatible_deployment.<what differs>``: that server is of another deployment, marked
+  ``Incompatible`` (counted by what differs);
+* anything else (internal, or a broken call: ``down``): the next server.
 
 :meth:`PrefillRouter.dispatch` tries the servers in load order until one answers, and raises
 :class:`NoPrefillServer` naming every server's reason only when none is left.
@@ -31,12 +39,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from kvtransfer import INCOMPATIBLE, Fingerprint, reason_of
+from kvtransfer import Fingerprint
 
 from .. import errors
 from ..fingerprint import to_param
 from ..request import StageRequest
 from .client import PrefillClient, Refused
+from .prefix_index import PrefixIndex, prompt_blocks
 from .servers import PrefillServer, ServerState, identity_mismatch, resolve
 
 __all__ = ["LOCAL", "NoPrefillServer", "PrefillRouter"]
@@ -79,6 +88,9 @@ class _EndOnce:
             self.on_end(err)
 
 
+ROUTE_POLICIES = ("cache", "queue")
+
+
 class PrefillRouter:
     def __init__(
         self,
@@ -90,11 +102,17 @@ class PrefillRouter:
         local_max_tokens: int = 0,
         local_busy_tokens: int = 0,
         fingerprint: Fingerprint | None = None,  # ours: prefill servers must match
+        page_size: int = 0,  # > 0: weigh the prefix each server likely caches (cache-aware)
+        route_policy: str = "cache",  # "cache": queue + uncached prompt tokens; "queue"
     ):
         self.fingerprint = fingerprint
         self.refusals: dict[str, int] = {}  # servers found incompatible, by reason
         self._was_ready: bool | None = None
         self.local_max_tokens, self.local_busy_tokens = local_max_tokens, local_busy_tokens
+        if route_policy not in ROUTE_POLICIES:
+            raise ValueError(f"route_policy must be one of {ROUTE_POLICIES}, got {route_policy!r}")
+        self.page_size, self.route_policy = page_size, route_policy
+        self.decode_prefix = PrefixIndex()  # what this decode server's own cache likely holds
         if not servers and not (local_max_tokens or local_busy_tokens):
             raise ValueError("the router needs at least one prefill server (prefill_servers)")
         self.route_timeout_s, self.probe_interval_s = route_timeout_s, probe_interval_s
@@ -105,7 +123,7 @@ class PrefillRouter:
         self._refresh()
         self._stop = threading.Event()
         self.counters = dict.fromkeys(("requests", "routed", "no_server", "loop_errors"), 0)
-        self.local_counters = dict.fromkeys(("dispatched", "tokens"), 0)
+        self.local_counters = dict.fromkeys(("dispatched", "tokens", "hit_tokens"), 0)
         self._pending = 0
         self._pool = ThreadPoolExecutor(16, thread_name_prefix=f"{name}-dispatch")
         self._thread = threading.Thread(target=self._poll_loop, name=f"{name}-poll", daemon=True)
@@ -129,19 +147,36 @@ class PrefillRouter:
             try:
                 self.dispatch(req, on_end, deliver=on_routed)
             except Exception as e:
-                on_error(e)
+                self._tell(on_error, e, req.room)
             finally:
                 with self._lock:
                     self._pending -= 1
 
         self._pool.submit(run)
 
+    def _tell(self, on_error: Callable[[Exception], None], e: Exception, room: int) -> None:
+        """``on_error(e)`` on a dispatch thread: if it raises too (the client's response sender
+        is closed), the request has nobody left to answer; say so, never silently."""
+        try:
+            on_error(e)
+        except Exception:
+            log.exception("%s: room %d: its error (%s) could not be delivered", self.name, room, e)
+
     # ---- routing (any thread) ----------------------------------------------------------------
-    def order(self, exclude: set[str] = frozenset()) -> list[PrefillServer]:
-        """Up servers not in ``exclude``, least loaded first."""
+    def order(
+        self, exclude: set[str] = frozenset(), blocks: list[bytes] | None = None
+    ) -> list[PrefillServer]:
+        """Up servers not in ``exclude``, cheapest first: the tokens queued there plus, with
+        the ``cache`` policy, the prompt tokens (``blocks``: its block hashes) it would compute
+        (those it likely does not cache); least loaded first with ``queue``."""
         with self._lock:
             up = [s for s in self.servers if s.state == ServerState.Up and s.name not in exclude]
-            return sorted(up, key=lambda s: (s.load(), s.counters["dispatched"]))
+            return sorted(up, key=lambda s: (self._cost(s, blocks), s.counters["dispatched"]))
+
+    def _cost(self, s: PrefillServer, blocks: list[bytes] | None) -> float:
+        if self.route_policy != "cache" or not blocks:
+            return s.load()
+        return s.load() - s.prefix.hit_blocks(blocks) * self.page_size  # + prompt: the same
 
     def dispatch(
         self,
@@ -156,12 +191,16 @@ class PrefillRouter:
         runs with the answer first; then, once, ``on_end(error)`` when prefill is done with the
         room (error None) or the server was lost (never for a server that did not answer)."""
         self.counters["requests"] += 1
-        if self._prefill_here(len(req.prompt_ids)):
-            return self._local(req, on_end, deliver)
+        blocks = prompt_blocks(req.prompt_ids, self.page_size)
+        with self._lock:
+            here = self.decode_prefix.hit_blocks(blocks) * self.page_size
+        if self._prefill_here(len(req.prompt_ids) - here):  # what decode would compute
+            return self._local(req, on_end, deliver, blocks, here)
         reasons: dict[str, str] = {}
+        overloaded: set[str] = set()  # servers that refused as overloaded
         tried: set[str] = set(exclude)
         while True:
-            cands = self.order(tried)
+            cands = self.order(tried, blocks)
             if not cands:
                 break
             s = cands[0]
@@ -169,19 +208,30 @@ class PrefillRouter:
             try:
                 routed = self._forward(s, req, on_end, deliver)
                 self.counters["routed"] += 1
+                with self._lock:
+                    s.counters["hit_tokens"] += s.prefix.hit_blocks(blocks) * self.page_size
+                    s.prefix.add(blocks)
+                    self.decode_prefix.add(blocks)  # its KV lands in decode's cache too
                 return routed, s.name
             except Refused as e:
                 reasons[s.name] = str(e)
                 with self._lock:
                     s.counters["refused"] += 1
-                if INCOMPATIBLE in str(e):
-                    self._mark_incompatible(s, str(e))
+                differs = errors.incompatible_reason(e.tag)
+                if differs is not None:
+                    self._mark_incompatible(s, str(e), differs)
+                elif e.tag.kind == errors.INVALID and not e.down:
+                    raise errors.InvalidRequest(
+                        f"prefill server {s.name}: {e.tag.message}", e.tag.param, e.tag.code
+                    ) from e
+                elif e.tag.kind == errors.OVERLOADED and not e.down:
+                    overloaded.add(s.name)
                 elif e.down:
                     self._mark_down(s, str(e))
         if self.local:  # nothing left to forward to, but this server can prefill
-            return self._local(req, on_end, deliver)
+            return self._local(req, on_end, deliver, blocks, here)
         self.counters["no_server"] += 1
-        raise self._no_server(reasons, exclude)
+        raise self._no_server(reasons, exclude, overloaded)
 
     @property
     def local(self) -> bool:
@@ -189,7 +239,9 @@ class PrefillRouter:
         return bool(self.local_max_tokens or self.local_busy_tokens)
 
     def _prefill_here(self, n: int) -> bool:
-        """Short prompts, and every prompt while all prefill servers are busy (or down)."""
+        """Prompts of which decode would compute at most ``local_max_tokens`` (``n``: the
+        tokens its cache likely lacks, so a long prompt whose prefix decode holds stays here),
+        and every prompt while all prefill servers are busy (or down)."""
         if n <= self.local_max_tokens:
             return True
         if not self.local_busy_tokens:
@@ -197,10 +249,14 @@ class PrefillRouter:
         up = self.order()
         return not up or up[0].load() > self.local_busy_tokens
 
-    def _local(self, req: StageRequest, on_end, deliver) -> tuple[StageRequest, str]:
+    def _local(
+        self, req: StageRequest, on_end, deliver, blocks: list[bytes], here: int
+    ) -> tuple[StageRequest, str]:
         with self._lock:
             self.local_counters["dispatched"] += 1
             self.local_counters["tokens"] += len(req.prompt_ids)
+            self.local_counters["hit_tokens"] += here
+            self.decode_prefix.add(blocks)
         routed = req.with_bootstrap(LOCAL)
         if deliver is not None:
             deliver(routed)
@@ -208,7 +264,9 @@ class PrefillRouter:
             on_end(None)  # nothing runs here: decode prefills it in its own engine
         return routed, LOCAL
 
-    def _no_server(self, reasons: dict[str, str], exclude) -> Exception:
+    def _no_server(self, reasons: dict[str, str], exclude, overloaded: set[str]) -> Exception:
+        """The error of a request no server took: ``errors.Overloaded`` when every server
+        refused it as overloaded (retry later), else :class:`NoPrefillServer`."""
         with self._lock:
             for s in self.servers:
                 if s.name not in reasons:
@@ -217,7 +275,7 @@ class PrefillRouter:
                     reasons[s.name] = why if incompatible else f"down: {why}"
         listed = "; ".join(f"{k}: {v}" for k, v in reasons.items())
         msg = f"no prefill server took the request ({listed})"
-        if reasons and all("overloaded" in v for v in reasons.values()):
+        if reasons and set(reasons) == overloaded:
             return errors.Overloaded(msg)
         return NoPrefillServer(msg)
 
@@ -259,13 +317,13 @@ class PrefillRouter:
             s.state, s.reason = ServerState.Down, reason
         log.warning("%s: prefill server %s marked down: %s", self.name, s.name, reason)
 
-    def _mark_incompatible(self, s: PrefillServer, reason: str) -> None:
+    def _mark_incompatible(self, s: PrefillServer, reason: str, differs: str) -> None:
+        """``differs``: what differs (a label of kvtransfer's REASONS), counted in refusals."""
         with self._lock:
             if s.state == ServerState.Incompatible and s.reason == reason:
                 return
             s.state, s.reason = ServerState.Incompatible, reason
-            label = reason_of(reason)
-            self.refusals[label] = self.refusals.get(label, 0) + 1
+            self.refusals[differs] = self.refusals.get(differs, 0) + 1
         log.error("%s: prefill server %s is not routed to: %s", self.name, s.name, reason)
 
     def _poll_one(self, s: PrefillServer) -> None:
@@ -278,9 +336,10 @@ class PrefillRouter:
         except Exception as e:
             self._mark_down(s, f"metrics unreachable: {e}")
             return
-        why = identity_mismatch(self.fingerprint, s)
-        if why is not None:
-            self._mark_incompatible(s, why)
+        got = identity_mismatch(self.fingerprint, s)
+        if got is not None:
+            differs, why = got
+            self._mark_incompatible(s, why, differs)
             return
         with self._lock:
             s.queued, s.read_at = queued, t
@@ -372,6 +431,7 @@ class PrefillRouter:
             }
             if self.local:
                 keys = ("up", "incompatible", "load", "queued", "outstanding", "refused", "lost")
+                keys += ("hit_tokens",)
                 zero = dict.fromkeys(keys, 0)
                 per[LOCAL] = {**zero, "up": 1, **self.local_counters}
         return {"servers": per, **self.counters}

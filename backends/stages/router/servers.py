@@ -10,8 +10,9 @@ Deployment identity: a prefill server publishes its fingerprint (``pd_deployment
 kvtransfer/protocol/identity.py) on its metrics endpoint, which the router reads every
 ``probe_interval_s`` anyway; one that differs from the router's own (another secret, model,
 draft, KV layout or protocol) is marked ``Incompatible``: never routed to, and named in the
-client's error. The same happens at once when a forward is refused with ``incompatible
-deployment: ...`` (prefill checks the fingerprint every forwarded request carries). It is routed
+client's error. The same happens at once when a forward is refused as incompatible (prefill
+checks the fingerprint every forwarded request carries; its error's tag carries the code
+``incompatible_deployment.<what differs>``, backends/stages/errors.py). It is routed
 to again when its published fingerprint matches (it was restarted with the right secret or
 model).
 """
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from kvtransfer import Fingerprint, refusal
 
 from .client import PrefillClient
+from .prefix_index import PrefixIndex
 
 
 class ServerState(enum.IntEnum):
@@ -43,8 +45,11 @@ class PrefillServer:
     read_at: float = 0.0  # time.monotonic() of that read
     outstanding: dict[int, tuple[int, float]] = field(default_factory=dict)  # room -> (tokens, t)
     counters: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(("dispatched", "tokens", "refused", "lost"), 0)
+        default_factory=lambda: dict.fromkeys(
+            ("dispatched", "tokens", "refused", "lost", "hit_tokens"), 0
+        )
     )
+    prefix: PrefixIndex = field(default_factory=PrefixIndex)  # the prompts routed there
 
     @property
     def name(self) -> str:
@@ -54,15 +59,15 @@ class PrefillServer:
         return self.queued + sum(n for n, t in self.outstanding.values() if t >= self.read_at)
 
 
-def identity_mismatch(ours: Fingerprint | None, s: PrefillServer) -> str | None:
-    """Why server ``s`` (its last published fingerprints) is of another deployment than
-    ``ours`` (None: it is not, or there is nothing to compare)."""
+def identity_mismatch(ours: Fingerprint | None, s: PrefillServer) -> tuple[str, str] | None:
+    """(what differs, message) when server ``s`` (its last published fingerprints) is of another
+    deployment than ``ours`` (None: it is not, or there is nothing to compare)."""
     if ours is None:
         return None
     for fp in getattr(s.client, "remote_fingerprints", None) or []:
         got = refusal(fp, ours) if fp is not None else None
         if got is not None:
-            return got[1]
+            return got
     return None
 
 

@@ -37,7 +37,7 @@ def _emitter(sender, req, cancel_addr: str):
         res = StageResponse(
             room=req.room, cancel_addr=cancel_addr, heartbeat=ev.heartbeat, text=ev.text,
             token_ids=ev.token_ids, logprobs=ev.logprobs, num_input_tokens=len(req.prompt_ids),
-            finish_reason=ev.finish_reason or "",
+            num_cached_tokens=ev.cached_tokens, finish_reason=ev.finish_reason or "",
         )  # fmt: skip
         response = pb.InferenceResponse(output_tensors=[g.response_tensor(pb, res)])
         sender.send(response, flags=FINAL if ev.final else 0)

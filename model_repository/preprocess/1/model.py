@@ -30,5 +30,5 @@ class TritonPythonModel:
                         pb.InferenceResponse(output_tensors=[g.request_tensor(pb, req)])
                     )
                 except Exception as e:
-                    responses.append(g.exception_response(pb, "invalid request", e))
+                    responses.append(g.exception_response(pb, "preprocess", e))
             return responses

@@ -35,6 +35,7 @@ class TritonPythonModel:
             local_max_tokens=p.local_prefill_max_tokens,
             local_busy_tokens=p.local_prefill_busy_tokens,
             fingerprint=stage_fingerprint(p),  # prefill servers of another deployment: refused
+            page_size=p.page_size, route_policy=p.route_policy,
         )  # fmt: skip
         self.metrics = RouterMetrics(pb, "router", name, self.router)
         self.stage_metrics = g.StageMetrics(pb, "router", name, self.router.stage_stats)
