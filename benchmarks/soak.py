@@ -23,7 +23,7 @@ supervisor; at the end no KV page is in use or quarantined on either stage, no r
 anywhere (the front's ``/health`` counts none in flight, both stages' queues and batches are
 empty), the server is ready, and one more request equals its reference.
 
-    .venv/bin/python -m benchmarks.soak --out soak.json    # 1,000 requests (about 25 min)
+    .venv/bin/python -m benchmarks.soak --out soak.json    # 1,000 requests (about 8 min)
     .venv/bin/python -m benchmarks.soak --requests 80 --max-prompt 250 --max-new 24 --json  # CI
 
 ``--shared-prefix N`` prepends one of ``--prefixes`` shared prefixes of about N token ids to

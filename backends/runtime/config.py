@@ -291,8 +291,8 @@ class ModelConfig:
     @property
     def has_recurrent_state(self) -> bool:
         """Whether a sequence's context lives partly in a recurrent state rather than in pages:
-        such a model cannot share or roll back a prefix by pages (prefix caching, speculative
-        decoding and tensor parallelism refuse it)."""
+        such a model cannot share or roll back a prefix by pages (prefix caching and speculative
+        decoding refuse it)."""
         return bool(self.recurrent_layers)
 
     def is_moe_layer(self, layer: int) -> bool:

@@ -39,7 +39,6 @@ def load_runner(
     if tensor_parallel_size != 1 or not isinstance(device, str):
         from .tp.runner import TPModelRunner  # torch.distributed, multiprocessing: only for TP
 
-        refuse_recurrent(ModelConfig.from_pretrained(path), "tensor parallelism")
         if kv_dtype != dtype:
             raise ValueError(
                 "kv_cache_dtype float8_e4m3fn is not supported with tensor parallelism yet "
@@ -84,8 +83,9 @@ def runner_from_tensors(
 
 def refuse_recurrent(config: ModelConfig, feature: str) -> None:
     """A model with recurrent layers (gated DeltaNet, Mamba2) does not support ``feature`` yet:
-    tensor parallelism (its mixers are not sharded by head) and fp8 KV (scales per attention
-    layer only) fail at load, naming the model and the feature."""
+    fp8 KV (scales per attention layer only) fails at load, naming the model and the feature.
+    (Tensor parallelism shards their mixers by state head group: ``tp.shard.ShardPlan`` refuses
+    a size that does not divide the groups.)"""
     if config.has_recurrent_state:
         raise ValueError(
             f"{feature} is not supported for models with recurrent layers yet "

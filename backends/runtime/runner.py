@@ -116,11 +116,10 @@ class ModelRunner:
         sliding-window and full layers also gets its sliding layers' entry (``pool.window``,
         role ``{role}.window``) of ``window_pages`` pages (default ``num_pages``: whatever fits
         the full layers' pages fits; a sequence holds far fewer there, see window.py)."""
-        spec = StateSpec.of(self.config)
         states = None
-        if spec is not None:
+        if self.state_spec() is not None:
             slots = num_slots if num_slots is not None else min(num_pages, DEFAULT_SLOTS)
-            states = StatePool(spec, slots, self.device, role)
+            states = self.state_pool(slots, role)
         window = None
         if self.config.window_kv_layers:
             n = num_pages if window_pages is None else window_pages
@@ -129,6 +128,14 @@ class ModelRunner:
             raise ValueError("window_pages: this model has no sliding-window entry")
         layout = self.entry_layout(num_pages, page_size, role)
         return KVPool(layout, self.device, states, window)
+
+    def state_spec(self) -> StateSpec | None:
+        """What a state slot of this model holds (None: no recurrent layers)."""
+        return StateSpec.of(self.config)
+
+    def state_pool(self, num_slots: int, role: str = "target") -> StatePool:
+        """``num_slots`` state slots of this model (its pool's ``states``)."""
+        return StatePool(self.state_spec(), num_slots, self.device, role)
 
     def _check_pool(self, pool: KVPool) -> None:
         want = self.entry_layout(pool.num_pages, pool.page_size, pool.layout.role).signature()
@@ -145,7 +152,7 @@ class ModelRunner:
             want = self.entry_layout(window.num_pages, window.page_size, role).signature()
             if window.layout.signature() != want:
                 raise ValueError(f"pool window layout {window.layout.signature()} does not fit")
-        spec = StateSpec.of(self.config)
+        spec = self.state_spec()
         if (pool.states.spec if pool.states is not None else None) != spec:
             raise ValueError(f"pool state slots do not fit this model (it needs {spec})")
 

@@ -29,6 +29,7 @@ an empty free list raises :class:`OutOfSlotsError` (the engine checks ``num_free
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -103,8 +104,24 @@ class StateSpec:
         """Bytes a sequence holds across every recurrent layer (whatever its length)."""
         return self.num_layers * self.slot_bytes
 
-    def entry_layout(self, num_slots: int, role: str = "target") -> EntryLayout:
-        """The buffer as a kvtransfer entry ``{role}.state``: one "page" of one "token" a slot."""
+    @property
+    def groups(self) -> int:
+        """Head groups every sub-block splits into alike (the gcd of their head counts): a
+        tensor-parallel rank holds whole groups of every sub-block."""
+        return math.gcd(*(s.heads for s in self.segments))
+
+    def entry_layout(
+        self,
+        num_slots: int,
+        role: str = "target",
+        first_group: int = 0,
+        total_groups: int | None = None,
+    ) -> EntryLayout:
+        """The buffer as a kvtransfer entry ``{role}.state``: one "page" of one "token" a slot,
+        its heads the :attr:`groups` (``kvtransfer.memory.layout``: a state entry). A
+        tensor-parallel rank's spec (of its shard's heads) is groups ``[first_group,
+        first_group + groups)`` of the model's ``total_groups``."""
+        g = self.groups
         return EntryLayout(
             role=f"{role}.state",
             attn="state",
@@ -112,9 +129,11 @@ class StateSpec:
             page_size=1,
             num_layers=self.num_layers,
             num_pages=num_slots,
-            kv_heads=1,
-            head_dim=self.slot_elems,
-            segments=tuple((s.heads, s.elems_per_head) for s in self.segments),
+            kv_heads=g,
+            head_dim=self.slot_elems // g,
+            head_start=first_group,
+            total_kv_heads=g if total_groups is None else total_groups,
+            segments=tuple((s.heads // g, s.elems_per_head) for s in self.segments),
         )
 
     def describe(self) -> dict:
@@ -140,14 +159,22 @@ class StateSpec:
 
 class StatePool:
     """The slots of one model: ``slabs`` [R, S, E] float32 (``tensor``, the same memory as the
-    entry's ``buffer_shape``, is what a transfer engine registers) and the slot allocator."""
+    entry's ``buffer_shape``, is what a transfer engine registers) and the slot allocator.
+    A tensor-parallel rank's pool: its spec is of its shard's heads, and ``first_group`` /
+    ``total_groups`` place them in the model's (:meth:`StateSpec.entry_layout`)."""
 
     def __init__(
-        self, spec: StateSpec, num_slots: int, device: str | torch.device = "cpu", role="target"
+        self,
+        spec: StateSpec,
+        num_slots: int,
+        device: str | torch.device = "cpu",
+        role="target",
+        first_group: int = 0,
+        total_groups: int | None = None,
     ):
         if not isinstance(num_slots, int) or num_slots <= 0:
             raise ValueError(f"num_slots must be a positive integer, got {num_slots!r}")
-        layout = spec.entry_layout(num_slots, role)
+        layout = spec.entry_layout(num_slots, role, first_group, total_groups)
         self.spec = spec
         self.tensor = torch.zeros(layout.buffer_shape(), dtype=torch.float32, device=device)
         self.slabs = self.tensor.view(spec.num_layers, num_slots, spec.slot_elems)

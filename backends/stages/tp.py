@@ -61,7 +61,9 @@ def rank_agents(cfg: TransferConfig, slots: int, runners: dict, pools: dict) -> 
                 "tensor_parallel_size > 1 moves KV through staging slots:"
                 " keep staging_slot_bytes > 0"
             )
-        agents += runner.kv_agents({role: pools[role]}, cfg, slots, cfg.staging_slot_bytes)
+        # every entry of that model: its KV (and a window or state entry of a hybrid)
+        mine = {r: p for r, p in pools.items() if r == role or r.startswith(role + ".")}
+        agents += runner.kv_agents(mine, cfg, slots, cfg.staging_slot_bytes)
     return agents
 
 

@@ -153,6 +153,8 @@ def table(res: dict) -> str:
 
 
 def plot(res: dict, path: str) -> None:
+    """TTFT p50 / p99 per mode (log scale) beside the work per request: KV MB moved and prefill
+    tokens computed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -163,20 +165,21 @@ def plot(res: dict, path: str) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for off, key, label in ((-0.2, "ttft_p50_s", "p50"), (0.2, "ttft_p99_s", "p99")):
         a.bar(x + off, [res[m][key] or 0 for m in modes], 0.4, label=label)
+    a.set_yscale("log")
     a.set_xticks(x, modes, rotation=20)
-    a.set_ylabel("TTFT, s")
+    a.set_ylabel("TTFT, s (log)")
     a.set_title("Time to first token")
     a.legend()
     kv = [res[m]["kv_bytes_per_request"] / 1e6 for m in modes]
     comp = [res[m]["prefill_tokens_computed_per_request"] for m in modes]
-    b.bar(x - 0.2, kv, 0.4, label="KV MB moved / request", color="tab:green")
+    bars = [b.bar(x - 0.2, kv, 0.4, label="KV MB moved", color="tab:green")]
     b2 = b.twinx()
-    b2.bar(x + 0.2, comp, 0.4, label="prefill tokens computed / request", color="tab:purple")
+    bars.append(b2.bar(x + 0.2, comp, 0.4, label="prefill tokens computed", color="tab:purple"))
     b.set_xticks(x, modes, rotation=20)
     b.set_ylabel("KV MB / request")
     b2.set_ylabel("prefill tokens computed / request")
     b.set_title("Work per request")
-    fig.legend(loc="lower center", ncol=4, fontsize=8)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    b.legend(handles=bars, loc="upper left", fontsize=8)
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

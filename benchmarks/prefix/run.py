@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import time
 
@@ -66,6 +67,8 @@ def run_mode(mode: str, args, tok, system: str) -> dict:
     finally:
         backend.stop()
     out = summarize(records, delta(after, before), seconds)
+    if not args.inproc and not out["errors"]:
+        shutil.rmtree(run_dir, ignore_errors=True)  # else its servers' logs stay for a look
     out["start_s"] = round(started, 1)
     log(f"{mode}: {len(records)} requests in {seconds:.0f}s, TTFT p50 {out['ttft_p50_s']}")
     return out
@@ -97,7 +100,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default="", help="write OUT.json (and OUT.png) too")
+    ap.add_argument("--replot", default="", help="only redraw OUT.png from this saved OUT.json")
     args = ap.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f)["modes"], args.replot.removesuffix(".json") + ".png")
+        return 0
     if args.quick:
         args.inproc, args.conversations, args.turns = True, 2, (2, 3)
         args.system_tokens, args.max_tokens, args.stagger, args.num_pages = 160, 6, 0.2, 256

@@ -30,10 +30,13 @@ class DirectBench:
         threads: int = 1,
         log_dir: str | None = None,
         device: str = "cpu",
+        extra: dict | None = None,  # more stage parameters (both stages)
     ):
         pages = -(-max_tokens_in_flight // PAGE_SIZE) + 64
-        self.prefill = Stage("prefill", model_path, PAGE_SIZE, pages, threads, log_dir, device)
-        self.decode = Stage("decode", model_path, PAGE_SIZE, pages, 1, log_dir, device)
+        self.prefill = Stage(
+            "prefill", model_path, PAGE_SIZE, pages, threads, log_dir, device, extra
+        )
+        self.decode = Stage("decode", model_path, PAGE_SIZE, pages, 1, log_dir, device, extra)
         self.num_layers = self.prefill.info["num_layers"]
         self._rooms = itertools.count(1)
         self.reference: dict[tuple, int] = {}  # (prompt) -> colocated first token
@@ -66,6 +69,7 @@ class DirectBench:
                 self.reference[key] = p["first_token"]
             rec = {
                 "mode": mode,
+                "room": room,
                 "groups": len(req["groups"]) if req["groups"] else 0,
                 "queue_ms": (p["t_start"] - t_submit) * 1e3,
                 "compute_ms": (p["t_first_token"] - p["t_start"]) * 1e3,
@@ -80,6 +84,8 @@ class DirectBench:
                 rec["ttft_ms"] = (d["t_done"] - t_submit) * 1e3
                 rec["first_token_ms"] = (d["t_first"] - t_submit) * 1e3
                 rec["tail_ms"] = (d["t_done"] - p["t_first_token"]) * 1e3
+                rec["t_start"] = p["t_start"]  # time.time() of the prefill stage
+                rec["group_end_ms"] = [(t - p["t_start"]) * 1e3 for t in p["group_end"]]
                 rec["first_token"] = d["first_token"]
                 rec.update(_wire(stats.get(room), p, d["t_done"]))
             else:

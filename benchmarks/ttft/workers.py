@@ -88,11 +88,15 @@ def _prefill_one(state: dict, req: dict) -> dict:
     # CPU seconds: this (compute) thread vs the whole process (the rest = transfer/control)
     cpu0 = (time.thread_time(), time.process_time())
     if groups is None:  # colocated: the same runner and pool, no room, no transfer
-        pages = worker.pool.alloc(worker.pool.pages_needed(len(ids)))
-        logits = worker.runner.prefill(worker.pool, ids, pages)
+        pool = worker.pool
+        pages = pool.alloc(pool.pages_needed(len(ids)))
+        slot = pool.states.alloc() if pool.states is not None else None  # a hybrid's state
+        logits = worker.runner.prefill(pool, ids, pages, slot=slot)
         rec["first_token"] = int(logits.argmax())  # (syncs the device: the token is there)
         rec["t_first_token"] = time.time()
-        worker.pool.free(pages)
+        pool.free(pages)
+        if slot is not None:
+            pool.states.free(slot)
         return _cpu(rec, cpu0)
     sr = StageRequest(room=room, prompt_ids=ids, sampling=SamplingParams(max_tokens=1))
     res = worker.prefill_one(sr, groups=groups)
@@ -139,6 +143,14 @@ def _prefill_submit(state: dict, reqs: list[dict]) -> dict:
     return {"t_start": t0}
 
 
+def _prefill_apply(state: dict, arg: tuple) -> object:
+    """``fn(worker, value)`` for ``arg = (fn, value)``, ``fn`` a module-level function (it is
+    pickled by name): what a benchmark changes in the stage for one comparison only, e.g.
+    benchmarks.hybrid's state held back to the end."""
+    fn, value = arg
+    return fn(state["worker"], value)
+
+
 def _prefill_wait(state: dict, _arg=None) -> dict:
     """Wait for the rooms of the last ``submit``: start time, errors, batches computed."""
     t0, batches0, done, errors = state.pop("pending")
@@ -148,14 +160,14 @@ def _prefill_wait(state: dict, _arg=None) -> dict:
 
 
 def _prefill_stats(state: dict, rooms: list[int]) -> dict:
-    """The sender's per-group records (submitted / done, time.time()) of ``rooms``."""
+    """The sender's per-group records (entry, submitted / done, time.time()) of ``rooms``: one
+    per layer group and entry (a hybrid's groups send ``target`` and ``target.state``)."""
     out = {}
     for room in rooms:
         st = state["worker"].room_stats(room)
         if st is not None:
-            groups = [
-                {k: g[k] for k in ("layers", "nbytes", "submitted", "done")} for g in st["groups"]
-            ]
+            keys = ("role", "layers", "nbytes", "submitted", "done")
+            groups = [{k: g[k] for k in keys} for g in st["groups"]]
             out[room] = {"nbytes": st["nbytes"], "groups": groups}
     return out
 
@@ -234,7 +246,7 @@ class Stage:
         extra: dict | None = None,  # more stage parameters
     ):
         handlers = {"run": _prefill_run, "stats": _prefill_stats, "submit": _prefill_submit,
-                    "wait": _prefill_wait}  # fmt: skip
+                    "wait": _prefill_wait, "apply": _prefill_apply}  # fmt: skip
         make, handlers = {
             "prefill": (_prefill_make, handlers),
             "decode": (_decode_make, {"register": _decode_register}),

@@ -16,11 +16,16 @@ registered with the transfer engine once:
   of blocks ``[first, last]`` of :meth:`EntryLayout.pages_for`.
 * A state entry (``attn == "state"``): one fixed-size *slot* per sequence per layer (the conv and
   recurrent state of a gated DeltaNet or Mamba2 layer), buffer shape
-  ``[num_layers, num_slots, slot_elems]``: the address math of a GQA entry with ``page_size = 1``,
-  one component, ``kv_heads = 1`` and ``head_dim = slot_elems`` (a slot is a "page" of one
-  "token"), and a room holds exactly one slot. ``segments`` are the slot's sub-blocks in order,
-  ``(heads, elems per head)`` each (e.g. a DeltaNet conv state's ``q``, ``k``, ``v`` channels, then
-  its recurrent state): each is contiguous and split by head between tensor-parallel ranks.
+  ``[num_layers, num_slots, kv_heads * head_dim]``: the address math of a GQA entry with
+  ``page_size = 1`` and one component (a slot is a "page" of one "token"), and a room holds
+  exactly one slot. Its heads are *groups*: every sub-block of the slot splits into
+  ``total_kv_heads`` equal groups of heads (a DeltaNet's ``q``/``k`` conv channels, ``v`` conv
+  channels, recurrent state; a Mamba2's ``x``, ``B``, ``C`` channels, SSM state), and a
+  tensor-parallel rank holds groups ``[head_start, head_start + kv_heads)`` of every sub-block.
+  ``segments`` are the sub-blocks in slot order, ``(heads per group, elems per head)`` each, so
+  ``head_dim`` is one group's elements; the slot is sub-block major: sub-block ``s`` starts at
+  element ``kv_heads * sum_{j<s} h_j e_j`` and group ``g`` of it ``g * h_s e_s`` further
+  (:func:`state_runs`).
 
 A *component* is one ``[pages, page_size, ...]`` slab of one layer: GQA layers have two (K, V),
 MLA layers one. The bytes of page ``p`` of (layer, component) start at
@@ -130,8 +135,8 @@ class EntryLayout:
             )
 
     def _check_state(self) -> None:
-        if self.page_size != 1 or self.kv_heads != 1:
-            raise ValueError("a state entry has page_size 1 and kv_heads 1 (a slot per sequence)")
+        if self.page_size != 1:
+            raise ValueError("a state entry has page_size 1 (a slot per sequence)")
         elems = sum(h * e for h, e in self.segments)
         if not self.segments or any(h < 1 or e < 1 for h, e in self.segments):
             raise ValueError(
@@ -139,7 +144,7 @@ class EntryLayout:
             )
         if elems != self.head_dim:
             raise ValueError(
-                f"segments hold {elems} elements, head_dim (slot elems) is {self.head_dim}"
+                f"segments hold {elems} elements, head_dim (a group's elements) is {self.head_dim}"
             )
 
     # ---- sizes -------------------------------------------------------------------------------
@@ -178,7 +183,7 @@ class EntryLayout:
                 self.head_dim,
             )
         if self.attn == "state":
-            return (self.num_layers, self.num_pages, self.head_dim)
+            return (self.num_layers, self.num_pages, self.kv_heads * self.head_dim)
         return (self.num_layers, self.num_pages, self.page_size, self.head_dim)
 
     def bytes_per_token_all_layers(self) -> int:
@@ -233,6 +238,22 @@ class EntryLayout:
 
     def with_pool(self, num_pages: int, base_addr: int) -> EntryLayout:
         return replace(self, num_pages=num_pages, base_addr=base_addr)
+
+
+def state_runs(lay: EntryLayout, first: int, count: int) -> list[tuple[int, int]]:
+    """(element offset, elements) inside one slot of state entry ``lay`` that hold its groups
+    ``[first, first + count)`` (groups of this shard, 0-based), one run per sub-block, in slot
+    order: what a head slice of a state gathers, and where it lands."""
+    if lay.attn != "state":
+        raise ValueError(f"entry {lay.role} is not a state entry")
+    if not (0 <= first and count >= 1 and first + count <= lay.kv_heads):
+        raise IndexError(f"groups [{first}, {first + count}) outside [0, {lay.kv_heads})")
+    runs, base = [], 0
+    for h, e in lay.segments:
+        group = h * e
+        runs.append((base + first * group, count * group))
+        base += lay.kv_heads * group
+    return runs
 
 
 def page_runs(pages: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:

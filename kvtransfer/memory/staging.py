@@ -20,7 +20,7 @@ still imports without torch.
 
 from __future__ import annotations
 
-from .layout import EntryLayout
+from .layout import EntryLayout, state_runs
 
 
 def _torch():
@@ -75,9 +75,22 @@ class StagingArea:
         per_token = rows.view(rows.shape[0], lay.page_size, lay.kv_heads, -1)
         return per_token[:, :, first : first + count]
 
+    def _state_parts(self, role: str, heads: tuple[int, int]) -> list:
+        """A state entry's rows as bytes, cut to head groups ``heads`` = (first, count): one
+        strided view ``[rows, bytes]`` per sub-block (:func:`~.layout.state_runs`)."""
+        lay, rows = self.layouts[role], self.rows[role].view(_torch().uint8)
+        return [
+            rows[:, a * lay.elem_size : (a + n) * lay.elem_size] for a, n in state_runs(lay, *heads)
+        ]
+
+    def _sliced_state(self, role: str, heads) -> bool:
+        return heads is not None and self.layouts[role].attn == "state"
+
     def fits(self, role: str, heads: tuple[int, int] | None = None) -> int:
         """How many units of entry ``role`` (whole rows, or their ``heads`` slice) fit in one
         slot (0: too large)."""
+        if self._sliced_state(role, heads):
+            return self.slot_bytes // sum(p.shape[1] for p in self._state_parts(role, heads))
         src = self._source(role, heads)
         return self.slot_bytes // (src[0].numel() * src.element_size())
 
@@ -89,6 +102,14 @@ class StagingArea:
         off = self.slot_addr(slot) - self.addr
         return self.buffer[off : off + count * unit].view(src.dtype).view(count, *src.shape[1:])
 
+    def _state_slot(self, role: str, heads, slot: int, count: int):
+        """Slot ``slot`` as ``count`` units of a state head slice, bytes ``[count, unit]``."""
+        unit = sum(p.shape[1] for p in self._state_parts(role, heads))
+        if count < 1 or count * unit > self.slot_bytes:
+            raise IndexError(f"{count} units of {unit} B do not fit a slot of {self.slot_bytes} B")
+        off = self.slot_addr(slot) - self.addr
+        return self.buffer[off : off + count * unit].view(count, unit)
+
     def _index(self, rows: list[int]):
         torch = _torch()
         return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=False)
@@ -98,11 +119,16 @@ class StagingArea:
         given) into ``slot`` in order; returns a fence or None. ``after``: the compute fence of
         those rows (a CUDA event is waited on by the stream)."""
         torch = _torch()
-        src = self._source(role, heads)
-        out = self._slot_rows(src, slot, len(rows))
         if self._cuda and isinstance(after, torch.cuda.Event):
             torch.cuda.current_stream(self.device).wait_event(after)
-        torch.index_select(src, 0, self._index(rows), out=out)
+        if self._sliced_state(role, heads):  # each sub-block's groups, packed in slot order
+            out, idx, col = self._state_slot(role, heads, slot, len(rows)), self._index(rows), 0
+            for part in self._state_parts(role, heads):
+                out[:, col : col + part.shape[1]].copy_(part.index_select(0, idx))
+                col += part.shape[1]
+        else:
+            src = self._source(role, heads)
+            torch.index_select(src, 0, self._index(rows), out=self._slot_rows(src, slot, len(rows)))
         if not self._cuda:
             return None
         done = torch.cuda.Event()
@@ -112,8 +138,14 @@ class StagingArea:
     def scatter(self, role: str, rows: list[int], slot: int, heads=None) -> None:
         """Copy ``slot`` into pool ``rows`` of ``role`` (into ``heads`` of each, when given);
         returns once the slot is free again. Nothing else of a row is written."""
-        dst = self._source(role, heads)
-        dst.index_copy_(0, self._index(rows), self._slot_rows(dst, slot, len(rows)))
+        if self._sliced_state(role, heads):  # into each sub-block's groups, nothing else
+            src, idx, col = self._state_slot(role, heads, slot, len(rows)), self._index(rows), 0
+            for part in self._state_parts(role, heads):
+                part.index_copy_(0, idx, src[:, col : col + part.shape[1]])
+                col += part.shape[1]
+        else:
+            dst = self._source(role, heads)
+            dst.index_copy_(0, self._index(rows), self._slot_rows(dst, slot, len(rows)))
         if self._cuda:
             _torch().cuda.current_stream(self.device).synchronize()
 

@@ -1,11 +1,11 @@
 """A hybrid model's state crosses from prefill to decode (stage cores, PrefillWorker in its own
 process, real Mooncake): each recurrent layer's final state goes with its layer group as entry
 ``target.state`` (the room's slot), the attention layers' pages as ``target``, a sliding-window
-family's sliding layers as ``target.window`` (only the pages the prompt's last window reaches). Greedy output
-equals transformers' for prompts spanning several layer groups (one layer a group) and pages;
-pages and slots all come back, a cancel included. A prefill that leaves the state entry behind
-gives other tokens (the state is not optional), and a decode whose state layout differs is
-refused at the handshake, naming the entry."""
+family's sliding layers as ``target.window`` (only the pages the prompt's last window reaches).
+Greedy output equals transformers' for prompts spanning several layer groups (one layer a group)
+and pages; pages and slots all come back, a cancel included. A prefill that leaves the state
+entry behind gives other tokens (the state is not optional), and a decode whose state layout
+differs is refused at the handshake, naming the entry."""
 
 from __future__ import annotations
 

@@ -129,3 +129,33 @@ def test_a_decode_whose_ranks_do_not_pair_with_prefills_is_refused_at_once():
     finally:
         decode.close()
         prefill.close()
+
+
+HYBRID_ENTRY = {
+    "qwen3_next": "target.state",
+    "nemotron_h": "target.state",
+    "gpt_oss": "target.window",
+}
+
+
+@pytest.mark.parametrize("kind", list(HYBRID_ENTRY))
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
+def test_a_hybrid_s_state_crosses_tp_sizes(kind, p_tp, d_tp):
+    """Each prefill rank's state groups land in the decode rank(s) holding those groups, every
+    sub-block of the slot (conv channels, recurrent state) cut on its own, and a sliding-window
+    entry's heads the same way (only its window's pages): greedy output equals transformers',
+    and every page and slot comes back."""
+    from runtime_models import hf_greedy
+
+    prefill, decode = stages(p_tp, d_tp, checkpoint(kind))
+    try:
+        assert HYBRID_ENTRY[kind] in decode.pools
+        for room, n in enumerate((7, 33), 30):
+            ids = random_prompt(n, seed=n)
+            c, res = run(prefill, decode, room, ids, 12)
+            assert res.error is None and c.events[-1].error is None, c.events[-1].error
+            assert c.ids == hf_greedy(kind, ids, 12)
+        assert pages_back(prefill, decode)
+    finally:
+        decode.close()
+        prefill.close()

@@ -169,8 +169,9 @@ def state(**kw):
         page_size=1,
         num_layers=3,
         num_pages=6,  # slots
-        head_dim=2 * 4 * 3 + 2 * 8,  # q, k conv channels (2 heads x 4 x 3 taps) + 2 x 8 state
-        segments=[(2, 12), (2, 8)],
+        kv_heads=2,  # groups of heads: each sub-block splits in 2
+        head_dim=12 + 8,  # a group: 1 conv head of 4 channels x 3 taps, 1 state head of 8
+        segments=[(1, 12), (1, 8)],
     )
     return EntryLayout(**{**base, **kw})
 
@@ -193,7 +194,7 @@ def test_a_state_entry_is_one_slot_per_layer_and_sequence_with_numpy_indexing():
 @pytest.mark.parametrize(
     "kw, why",
     [
-        (dict(segments=[(2, 12), (2, 7)]), "segments hold 38 elements"),
+        (dict(segments=[(1, 12), (1, 7)]), "segments hold 19 elements"),
         (dict(segments=[]), "needs segments"),
         (dict(page_size=2), "page_size 1"),
         (dict(window=8), "window"),
@@ -233,5 +234,5 @@ def test_a_window_entry_holds_the_blocks_its_last_window_reaches(tokens, window,
 def test_window_and_segments_are_part_of_the_signature():
     a, b = gqa(window=8, role="target.window"), gqa(window=16, role="target.window")
     assert "window differs" in check_compatible(a, b.signature())
-    s1, s2 = state(), state(segments=[(4, 6), (2, 8)])
+    s1, s2 = state(), state(segments=[(2, 6), (1, 8)])
     assert "segments differs" in check_compatible(s1, s2.signature())

@@ -32,7 +32,7 @@ def register(num_tokens: int, entries: dict[str, list[int]], first: dict[str, in
 
 def test_each_entry_kind_registers_the_pages_its_kind_holds():
     dst = check_entries(register(13, ENTRIES, FIRST), LAYOUTS, 13)
-    assert set(dst) == set(LAYOUTS) and dst["target.state"].segments == ((2, 12), (2, 8))
+    assert set(dst) == set(LAYOUTS) and dst["target.state"].segments == ((1, 12), (1, 8))
 
 
 @pytest.mark.parametrize("cached, pages", [(2, [2, 3]), (4, [])])  # a hit; a full hit

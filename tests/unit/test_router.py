@@ -436,3 +436,14 @@ def test_a_long_prompt_whose_prefix_decode_holds_is_prefilled_locally():
     assert ask(r, 3, [5] * 56) != LOCAL  # as long, nothing cached
     assert r.stats()["servers"][LOCAL]["hit_tokens"] == 48
     r.close()
+
+
+def test_a_server_that_keeps_no_prefix_cache_gets_no_credit_for_one():
+    """Prefill servers with prefix_cache=off export no prefix metric: the router expects no hit
+    there, so a conversation is balanced by queue, and its hit counter stays 0."""
+    r, (a, b) = cached_router("cache")
+    a.caches = b.caches = False
+    names = [ask(r, 10 + t, chat(t)) for t in range(1, 5)]
+    assert set(names) == {a.name, b.name}
+    assert all(r.stats()["servers"][n]["hit_tokens"] == 0 for n in (a.name, b.name))
+    r.close()

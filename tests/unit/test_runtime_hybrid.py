@@ -95,7 +95,11 @@ def test_config_names_the_layers_and_the_state_layout(kind, runner):
     layout = states.layout  # the kvtransfer entry over the same buffer
     assert layout.role == "target.state" and layout.attn == "state"
     assert tuple(states.tensor.shape) == layout.buffer_shape()
-    assert layout.segments == tuple((s.heads, s.elems_per_head) for s in spec.segments)
+    g = spec.groups  # every sub-block splits into g groups of heads alike
+    assert layout.kv_heads == layout.total_kv_heads == g
+    assert all(s.heads % g == 0 for s in spec.segments)
+    assert layout.segments == tuple((s.heads // g, s.elems_per_head) for s in spec.segments)
+    assert layout.page_bytes == spec.slot_bytes
     assert layout.base_addr == states.slabs.data_ptr()
     # the KV pool holds the attention layers only
     assert runner.make_pool(4, 8).layout.num_layers == len(cfg.kv_layers)
@@ -177,37 +181,11 @@ def test_chunked_prefill_carries_the_state(kind, runner):
         last = runner.prefill(pool, prompt[a:b], pages, start_pos=a, slot=slot)
     rm.assert_close_to_reference(last, whole)
     rm.assert_close_to_reference(last, hf_logits(kind, prompt)[-1])
-    tokens = [int(last.argmax())]
-    for _ in range(7):
-        n = len(prompt) + len(tokens) - 1
-        logits = runner.decode(pool, [tokens[-1]], [n], [pages], [slot])
-        tokens.append(int(logits[0].argmax()))
-    want = rm.hf_greedy(kind, prompt, 8)  # stops after an EOS
-    assert tokens[: len(want)] == want and (len(want) == 8 or want[-1] == 2)
+    rm.assert_greedy_continues(kind, runner, pool, pages, slot, prompt, last)
 
 
 def test_batched_greedy_with_sequences_joining_and_leaving(kind, runner):
-    """Four prompts (5 to 131 tokens) of different lengths, at most 3 running and only 2 state
-    slots: sequences wait for a slot, join a running batch and leave it; each output equals
-    transformers' greedy continuation, and every page and slot is back at the end."""
-    lengths, budgets = [5, 131, 23, 70], [12, 7, 20, 9]
-    prompts = [rm.random_prompt(n, seed=10 + i) for i, n in enumerate(lengths)]
-    pool = runner.make_pool(96, 8, num_slots=2)
-    pool.shuffle_free_list(seed=2)
-    engine = LLMEngine(runner, pool, max_batch=3)
-    reqs = [(p, SamplingParams(max_tokens=m)) for p, m in zip(prompts, budgets, strict=True)]
-    seqs = [engine.add_request(f"s{i}", p, sp) for i, (p, sp) in enumerate(reqs)]
-    most = 0
-    while engine.has_unfinished():
-        engine.step()
-        most = max(most, pool.states.slots_in_use)
-        assert pool.states.slots_in_use == len(engine.running)  # one slot per running sequence
-    assert most == 2
-    for seq, prompt, m in zip(seqs, prompts, budgets, strict=True):
-        want = rm.hf_greedy(kind, prompt, m)
-        assert seq.output_ids == want
-    assert len({t for s in seqs for t in s.output_ids}) > 8  # not one repeated token
-    assert pool.num_free == 96 and pool.states.num_free == 2
+    rm.assert_slots_join_and_leave(kind, runner)  # (its docstring says what it checks)
 
 
 def test_bfloat16_greedy_matches_transformers_bfloat16(kind):
@@ -299,8 +277,9 @@ def test_spec_tensor_parallel_and_fp8_kv_are_refused_at_load(kind, runner):
     path = rm.checkpoint(kind)
     with pytest.raises(ValueError, match="speculative decoding .* recurrent"):
         load_draft(runner, num_layers=2)
-    with pytest.raises(ValueError, match="tensor parallelism .* recurrent"):
-        load_runner(path, tensor_parallel_size=2)
+    # tensor parallelism splits the state's 2 head groups (test_runtime_tp_hybrid), not 4 ways
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 does not divide the 2 head"):
+        load_runner(path, tensor_parallel_size=4)
     with pytest.raises(ValueError, match="float8_e4m3fn .* recurrent"):
         load_runner(path, kv_cache_dtype="float8_e4m3fn")
     from backends.runtime.prefix_cache import check_prefix_cacheable

@@ -66,3 +66,21 @@ def test_the_fronts_verdict_compares_text_and_token_count_and_wants_openais_erro
     assert not held["checks"]["no_request_held_at_end"]
     grpc = summarize([Outcome(req, "ok", ids, "", 1.0)], refs, None, _end(), 123, 9.0)
     assert grpc["ok"] and "errors_in_openai_shape" not in grpc["checks"]
+
+
+def test_shared_prefixes_start_every_prompt_and_leave_the_default_plan_alone():
+    import argparse
+    import random
+
+    from benchmarks.soak import plan, shared_prefixes
+
+    kw = dict(requests=40, distinct=10, max_prompt=100, max_new=12, cancel_share=0.1)
+    plain = plan(argparse.Namespace(**kw, shared_prefix=0, prefixes=4), random.Random(0))
+    shared = plan(argparse.Namespace(**kw, shared_prefix=50, prefixes=3), random.Random(0))
+    prefixes = shared_prefixes(50, 3)
+    assert [len(p) for p in prefixes] == [50, 55, 60]  # pages filled to different offsets
+    for a, b in zip(plain, shared, strict=True):  # the same draws, each prompt prefixed
+        assert any(b["ids"] == p + a["ids"] for p in prefixes)
+        assert {**a, "ids": None} == {**b, "ids": None}
+    assert len({tuple(r["ids"][:50]) for r in shared}) > 1  # more than one prefix in use
+    assert shared_prefixes(0, 4) == []

@@ -81,7 +81,12 @@ def test_commands_round_trip():
     pre = decode(encode(Command(PREFILL, 1, seqs=[([1, 2, 3], 4, [0, 2])])))
     assert pre.seqs == [([1, 2, 3], 4, [0, 2])]
     mk = decode(encode(Command(MAKE_POOL, 2, num_pages=16, page_size=8, role="draft")))
-    assert (mk.num_pages, mk.page_size, mk.role) == (16, 8, "draft")
+    assert (mk.num_pages, mk.page_size, mk.role, mk.num_slots) == (16, 8, "draft", None)
+    mk = decode(encode(Command(MAKE_POOL, 2, 16, 8, num_slots=6, state_id=5)))
+    assert (mk.num_slots, mk.state_id) == (6, 5)
+    # a hybrid's sequences carry their state slot (after window pages, None where there are none)
+    slots = [([5, 6], 0, [7], None, 3), ([9], 12, [1, 4], [0, 4], 0), ([8], 3, [2])]
+    assert decode(encode(Command(PREFILL, 1, seqs=slots))).seqs == slots
     with pytest.raises(ValueError, match="version"):
         decode(b"\x07" + encode(fwd)[1:])
 
@@ -107,3 +112,70 @@ def test_sizes_that_are_not_positive_integers_are_refused(size):
 
     with pytest.raises(TensorParallelConfigError, match=f"got {size!r}"):
         tp_devices("cpu", size)
+
+
+def _hybrid(kind: str) -> ModelConfig:
+    import runtime_models as rm
+
+    return ModelConfig.from_pretrained(rm.checkpoint(kind))
+
+
+def _arange_rows(n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float32)[:, None]  # [n, 1]: row i holds i
+
+
+def _rows(t: torch.Tensor) -> list[int]:
+    return t[:, 0].long().tolist()
+
+
+def test_a_hybrid_splits_its_state_groups_and_refuses_sizes_that_do_not():
+    cfg = _hybrid("qwen3_next")  # DeltaNet: 2 key heads, 4 value heads -> 2 groups
+    plans = [ShardPlan.build(cfg, 2, r) for r in range(2)]
+    assert [(p.groups, p.total_groups) for p in plans] == [((0, 1), 2), ((1, 2), 2)]
+    local = plans[1].local_config(cfg).deltanet
+    assert (local.num_k_heads, local.num_v_heads, local.k_head_dim) == (1, 2, 8)
+    assert ShardPlan.build(gqa(4, 2), 2, 0).total_groups == 0  # no recurrent layers
+    with pytest.raises(TensorParallelConfigError) as e:
+        ShardPlan.build(cfg, 4, 0)  # 4 attention heads split, 2 state groups do not
+    assert "tensor_parallel_size 4 does not divide the 2 head groups" in str(e.value)
+    assert "conv_q 2, conv_k 2, conv_v 4, recurrent 4" in str(e.value)
+    assert "sizes that work: [1, 2]" in str(e.value)
+    mamba = ShardPlan.build(_hybrid("nemotron_h"), 2, 1).local_config(_hybrid("nemotron_h"))
+    assert (mamba.mamba.num_heads, mamba.mamba.n_groups, mamba.num_heads) == (2, 1, 2)
+
+
+def test_recurrent_projections_split_each_fused_block_on_its_own():
+    """Row ``i`` of each tensor holds ``i``: a rank's rows name which channels it got."""
+    nem = _hybrid("nemotron_h")  # Mamba2: 4 heads of 16, 2 B/C groups of 16
+    p = "model.layers.0.mixer"
+    full = {
+        f"{p}.in_proj.weight": _arange_rows(64 + 64 + 32 + 32 + 4),  # [z | x | B | C | dt]
+        f"{p}.conv1d.weight": _arange_rows(128),  # [x | B | C]
+        f"{p}.out_proj.weight": _arange_rows(64).T,
+        f"{p}.A_log": torch.arange(4.0),
+        "lm_head.weight": torch.ones(256, 1),
+    }
+    r1 = shard_tensors(full, nem, ShardPlan.build(nem, 2, 1))
+    z, x = list(range(32, 64)), list(range(64 + 32, 128))
+    B, C, dt = list(range(128 + 16, 160)), list(range(160 + 16, 192)), [194, 195]
+    assert _rows(r1[f"{p}.in_proj.weight"]) == z + x + B + C + dt
+    assert _rows(r1[f"{p}.conv1d.weight"]) == [i - 64 for i in x + B + C]
+    assert _rows(r1[f"{p}.out_proj.weight"].T) == list(range(32, 64))
+    assert r1[f"{p}.A_log"].tolist() == [2.0, 3.0]
+    q35 = _hybrid("qwen3_5")  # DeltaNet: q, k 2 heads of 8, v 4 heads of 16
+    p = "model.layers.0.linear_attn"
+    full = {f"{p}.in_proj_qkv.weight": _arange_rows(96), f"{p}.in_proj_b.weight": _arange_rows(4)}
+    full["lm_head.weight"] = torch.ones(256, 1)
+    r1 = shard_tensors(full, q35, ShardPlan.build(q35, 2, 1))
+    q, k, v = list(range(8, 16)), list(range(24, 32)), list(range(64, 96))
+    assert _rows(r1[f"{p}.in_proj_qkv.weight"]) == q + k + v
+    assert _rows(r1[f"{p}.in_proj_b.weight"]) == [2, 3]
+    q3n = _hybrid("qwen3_next")  # per key head [q 8 | k 8 | v 32 | z 32] and [b 2 | a 2]
+    full = {
+        f"{p}.in_proj_qkvz.weight": _arange_rows(160),
+        f"{p}.in_proj_ba.weight": _arange_rows(8),
+    }
+    full["lm_head.weight"] = torch.ones(256, 1)
+    r1 = shard_tensors(full, q3n, ShardPlan.build(q3n, 2, 1))
+    assert _rows(r1[f"{p}.in_proj_qkvz.weight"]) == list(range(80, 160))
+    assert _rows(r1[f"{p}.in_proj_ba.weight"]) == [4, 5, 6, 7]

@@ -4,8 +4,9 @@ blocks (:mod:`~backends.runtime.attention`, :mod:`~backends.runtime.layers`).
 A family is a module with two builders, which :class:`~backends.runtime.model.CausalLM` calls:
 
 * ``build_layer(cfg, w, i, rope, kernels)``: decoder layer ``i`` (its rotary embedding ``rope``:
-  ``cfg.layer_rope(i)``'s), callable as ``layer(h [T, hidden], meta, kv, rows) -> h``, with
-  ``.attn`` (its o projection ``.attn.o``) and ``.mlp``, which tensor parallelism wraps;
+  ``cfg.layer_rope(i)``'s), callable as ``layer(h [T, hidden], meta, kv, rows) -> h``, with its
+  token mixer ``.attn`` (or ``.mixer``), whose out projection is ``.o``, and its feed-forward
+  parts (``.mlp``; Granite 4.0-H's ``.moe`` and ``.shared``), which tensor parallelism wraps;
 * ``build_norm(cfg, w, kernels)``: the final norm.
 
 The config (:mod:`~backends.runtime.config`) parses every family's fields; a family module only

@@ -11,6 +11,7 @@ from the rank-0 side down:
 * :mod:`.rank`: ``ShardRunner``, what every rank runs: a ModelRunner over its weight shard;
 * :mod:`.model`: the model over a shard (row-parallel sums, the vocabulary-parallel LM head);
 * :mod:`.shard`: which slice of each checkpoint tensor a rank holds (``ShardPlan``);
+* :mod:`.mixers`: those slices for the recurrent mixers (gated DeltaNet, Mamba2), by state group;
 * :mod:`.comm`: the process group, every collective with a deadline.
 
 This face imports nothing: a worker process imports :mod:`.worker` without loading rank 0's side.

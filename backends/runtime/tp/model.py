@@ -3,10 +3,13 @@
 The model code (:mod:`~backends.runtime.model`, attention, layers) runs unchanged on a shard: it
 only sees fewer heads (``ShardPlan.local_config``) and narrower weights. Three points differ:
 
-* attention's o_proj is row-parallel: its partial output is summed over the ranks before the
-  residual add (``RowParallel``);
+* a token mixer's out projection is row-parallel: its partial output is summed over the ranks
+  before the residual add (``RowParallel``). The mixer is a layer's ``attn`` or ``mixer``
+  (attention's o_proj, a gated DeltaNet's or Mamba2's out_proj, Nemotron-H's MLP layer's
+  down_proj), its out projection ``.o``;
 * the MLP / MoE output is a partial sum over the intermediate slice: summed likewise
-  (``Reduced``; one all_reduce covers MoE's routed and shared experts together);
+  (``Reduced``; one all_reduce covers MoE's routed and shared experts together; Granite
+  4.0-H's ``moe`` and ``shared`` one each);
 * the LM head holds a vocabulary slice: logits ``[T, Vp]`` are gathered to rank 0 and cut to the
   real vocabulary ``[T, V]``. Other ranks get their own slice back (never used).
 
@@ -36,6 +39,10 @@ class RowParallel:
     def fuses_add(self, x: torch.Tensor) -> bool:
         return False  # the residual adds after the sum over the ranks
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + sum over the ranks`` (a mixer that always passes its residual)."""
+        return residual + self(x)
+
 
 class Reduced:
     """An MLP or MoE over an intermediate slice: its partial output summed over the ranks."""
@@ -62,8 +69,7 @@ class TPCausalLM(CausalLM):
         super().__init__(plan.local_config(cfg), w, device, dtype)
         self.full_config, self.plan, self.group = cfg, plan, group
         for layer in self.layers:
-            layer.attn.o = RowParallel(layer.attn.o, group)
-            layer.mlp = Reduced(layer.mlp, group)
+            _sum_partials(layer, group)
 
     def normed_logits(self, normed: torch.Tensor) -> torch.Tensor:
         # normed: [T, hidden] -> rank 0: [T, V] float32; other ranks: their slice [T, Vp]
@@ -72,3 +78,18 @@ class TPCausalLM(CausalLM):
         if parts is None:
             return local
         return torch.cat(parts, dim=-1)[:, : self.full_config.vocab_size]
+
+
+FFN_PARTS = ("mlp", "moe", "shared")  # a layer's feed-forward parts, each a partial sum
+
+
+def _sum_partials(layer, group: TPGroup) -> None:
+    """Sum each partial output of ``layer`` over the ranks: its token mixer's (``attn``, or
+    ``mixer`` in Nemotron-H and Granite 4.0-H) out projection, and each feed-forward part it
+    has (absent in Nemotron-H, whose MLP layers are mixers)."""
+    mixer = layer.attn if hasattr(layer, "attn") else layer.mixer
+    mixer.o = RowParallel(mixer.o, group)
+    for name in FFN_PARTS:
+        part = getattr(layer, name, None)
+        if part is not None:
+            setattr(layer, name, Reduced(part, group))

@@ -8,7 +8,10 @@ Each rank's KV pool covers its own KV heads: a GQA pool is
 ``[layers, 2, pages, page_size, kv_heads_local, head_dim]`` with ``EntryLayout.head_start`` the
 first of them and ``total_kv_heads`` the model's count, so a transfer can address rank shards
 (replicated heads: several ranks report the same ``head_start``). An MLA pool holds the whole
-latent on every rank. Page ids are the same on every rank: rank 0's allocator is the only one.
+latent on every rank. A hybrid model's state slots (``pool.states``) hold the rank's state head
+groups ``ShardPlan.groups`` of every sub-block: a state entry with ``head_start`` its first group,
+``kv_heads`` its groups, ``total_kv_heads`` the model's. Page and slot ids are the same on every
+rank: rank 0's allocators are the only ones.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from kvtransfer import EntryLayout
 from ..config import ModelConfig
 from ..dtypes import model_dtype
 from ..runner import ModelRunner
-from ..weights import WeightReader, beyond_layers, weight_files
+from ..state_pool import StatePool, StateSpec
+from ..weights import WeightReader, beyond_layers, runtime_name, weight_files
 from .comm import TPGroup
 from .model import TPCausalLM
 from .shard import ALL, EMBED, LM_HEAD, ShardPlan, slice_spec, take, vocab_shard
@@ -43,14 +47,15 @@ def load_shard(
     out: dict[str, torch.Tensor] = {}
     for file in weight_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = runtime_name(stored)
                 if beyond_layers(name, config.num_layers):
                     continue
-                part = f.get_slice(name)
+                part = f.get_slice(stored)
                 spec = slice_spec(name, part.get_shape(), config, plan)
                 if spec is None:
                     continue
-                t = f.get_tensor(name) if spec == ALL else take(part, spec)
+                t = f.get_tensor(stored) if spec == ALL else take(part, spec)
                 out[name] = t.to(torch_dtype) if t.is_floating_point() else t
     if config.tie_word_embeddings or LM_HEAD not in out:
         out[LM_HEAD] = take(out[EMBED], slice_spec(LM_HEAD, [], config, plan))
@@ -92,3 +97,12 @@ class ShardRunner(ModelRunner):
             head_start=first,
             total_kv_heads=self.plan.total_kv_heads,
         )
+
+    def state_spec(self) -> StateSpec | None:
+        """A slot of this rank's shard: its state head groups of every sub-block."""
+        return StateSpec.of(self.model.cfg)
+
+    def state_pool(self, num_slots: int, role: str = "target") -> StatePool:
+        first, _ = self.plan.groups
+        spec, total = self.state_spec(), self.plan.total_groups
+        return StatePool(spec, num_slots, self.device, role, first, total)

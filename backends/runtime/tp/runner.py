@@ -36,6 +36,7 @@ from kvtransfer import EntryLayout
 from ..cpu_kernels import cpu_ops
 from ..kv_pool import KVPool
 from ..paged import SeqInput
+from ..state_pool import SlotEntry, StatePool
 from .comm import RankAnswerError, TensorParallelError, TPGroup, make_store
 from .procs import WorkerHandle, spawn_worker, stop_workers
 from .rank import ShardRunner, load_config, load_shard
@@ -49,6 +50,7 @@ from .wire import (
     Command,
     decode_layout,
     encode,
+    wire_seq,
 )
 from .worker import ERROR, GO, OK, READY, WorkerSpec
 
@@ -142,7 +144,8 @@ class TPModelRunner(ShardRunner):
         self._lock = threading.RLock()
         self._broken: str | None = None
         self._closed = False
-        self._pool_ids: weakref.WeakKeyDictionary[KVPool, int] = weakref.WeakKeyDictionary()
+        # a pool's entries (KVPool, its window KVPool, its StatePool) -> the id workers know
+        self._pool_ids: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
         self._dead_pools: list[int] = []  # appended by pool finalizers, sent before a command
         self._next_id = itertools.count(1)
         self._finalizer = weakref.finalize(self, stop_workers, workers, 5.0)
@@ -223,8 +226,8 @@ class TPModelRunner(ShardRunner):
         finally:
             self.group.step_open = False
 
-    def _pool_id(self, pool: KVPool) -> int:
-        pid = self._pool_ids.get(pool)
+    def _pool_id(self, pool: KVPool | StatePool | SlotEntry) -> int:
+        pid = self._pool_ids.get(pool.states if isinstance(pool, SlotEntry) else pool)
         if pid is None:
             raise ValueError("this pool was not made by this tensor-parallel runner's make_pool")
         return pid
@@ -238,30 +241,35 @@ class TPModelRunner(ShardRunner):
     def make_pool(
         self, num_pages: int, page_size: int, role="target", num_slots=None, window_pages=None
     ) -> KVPool:
-        """The pool on every rank (``num_slots``: state slots, unused: a recurrent model is
-        refused tensor parallelism at load). Its sliding-window entry (``pool.window``) goes by
-        an id of its own (:meth:`shard_layouts`, :meth:`kv_agents`)."""
+        """The pool on every rank, each its shard (a hybrid model's ``num_slots`` state slots
+        too, each rank's holding its state head groups). Its sliding-window entry
+        (``pool.window``) and its state slots (``pool.states``) go by ids of their own
+        (:meth:`shard_layouts`, :meth:`kv_agents`); slot ids, like page ids, are rank 0's."""
         with self._lock:
             self._check_alive()
-            pool = ShardRunner.make_pool(self, num_pages, page_size, role, None, window_pages)
-            pid, wid = next(self._next_id), next(self._next_id)
-            self._send(Command(MAKE_POOL, pid, num_pages, page_size, role, window_pages, wid))
+            pool = ShardRunner.make_pool(self, num_pages, page_size, role, num_slots, window_pages)
+            pid, wid, sid = (next(self._next_id) for _ in range(3))
+            slots = None if pool.states is None else pool.states.num_slots
+            self._send(
+                Command(MAKE_POOL, pid, num_pages, page_size, role, window_pages, wid, slots, sid)
+            )
             answers = self._answers(f"making a pool of {num_pages} pages", self.load_timeout_s)
-            ids = [pid] + ([wid] if pool.window is not None else [])
+            entries = {pid: pool, wid: pool.window, sid: pool.states}
+            entries = {i: e for i, e in entries.items() if e is not None}
             if any(a != OK for a in answers):  # e.g. out of memory on a rank
-                self._dead_pools.extend(ids)  # dropped where it was made
+                self._dead_pools.extend(entries)  # dropped where it was made
                 _raise_error_answer(answers)
-            for entry, i in zip([pool, pool.window], ids, strict=False):
+            for i, entry in entries.items():
                 self._pool_ids[entry] = i
                 weakref.finalize(entry, self._dead_pools.append, i)
             return pool
 
-    def shard_layouts(self, pool: KVPool) -> list[EntryLayout]:
-        """Every rank's layout of ``pool``'s entry (or of its ``pool.window``), in rank order:
-        its KV heads
-        ``[head_start, head_start + kv_heads)`` of ``total_kv_heads`` (GQA; replicated heads
-        appear on several ranks) and ``base_addr`` in THAT rank's process. MLA: the whole latent
-        on every rank."""
+    def shard_layouts(self, pool: KVPool | StatePool | SlotEntry) -> list[EntryLayout]:
+        """Every rank's layout of ``pool``'s entry (or of its ``pool.window``, or of its state
+        slots ``pool.states``), in rank order: its KV heads ``[head_start, head_start +
+        kv_heads)`` of ``total_kv_heads`` (GQA; replicated heads appear on several ranks; a
+        state entry: its state head groups) and ``base_addr`` in THAT rank's process. MLA: the
+        whole latent on every rank."""
         with self._lock:
             self._check_alive()
             self._send(Command(LAYOUT, self._pool_id(pool)))
@@ -269,10 +277,12 @@ class TPModelRunner(ShardRunner):
             _raise_error_answer(answers)
             return [pool.layout] + [replace(pool.layout, **decode_layout(a)) for a in answers]
 
-    def kv_agents(self, pools: dict[str, KVPool], config, slots: int, slot_bytes: int) -> list:
+    def kv_agents(self, pools: dict, config, slots: int, slot_bytes: int) -> list:
         """Start ranks 1..N-1's KV agents (:mod:`kvtransfer.tp.agent`) over their shards of
-        ``pools`` (role -> a pool made here): each its own Mooncake engine (``config``, a
-        ``TransferConfig``) and ``slots`` staging slots. Their clients, in rank order."""
+        ``pools`` (role -> an entry of a pool made here: the pool, its ``window``, its
+        ``states`` or their ``pool_entries`` SlotEntry): each its own Mooncake engine
+        (``config``, a ``TransferConfig``) and ``slots`` staging slots. Their clients, in rank
+        order."""
         from kvtransfer import AgentClient
 
         with self._lock:
@@ -330,12 +340,9 @@ class TPModelRunner(ShardRunner):
 
 
 def _wire(seqs: list[SeqInput]) -> list[tuple]:
-    """Each sequence as a FORWARD / PREFILL command carries it (its window pages if any)."""
-    out = []
-    for s in seqs:
-        seq = (list(s.token_ids), s.start_pos, list(s.pages))
-        out.append(seq if s.window_pages is None else (*seq, list(s.window_pages)))
-    return out
+    """Each sequence as a FORWARD / PREFILL command carries it (its window pages and state
+    slot if any)."""
+    return [wire_seq(s.token_ids, s.start_pos, s.pages, s.window_pages, s.slot) for s in seqs]
 
 
 def _no_features(features: bool) -> None:

@@ -13,13 +13,21 @@ Megatron-style, as vLLM and SGLang shard (written here from the math, not copied
   replicated; ``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` are sliced by head, o_proj row-parallel.
   Per-head tensors go with their heads: attention sinks (gpt-oss, ``[H]``) are sliced like the
   query heads; q/k norms (Qwen3, Gemma 3: one ``[head_dim]`` weight shared by the heads) are
-  replicated.
+  replicated. A query projection's rows per head are its rows over ``H`` (Qwen3-Next's
+  ``q_proj`` holds ``[q | gate]`` per head).
+* recurrent mixers (gated DeltaNet, Mamba2): by state head GROUP (``StateSpec.groups``, the gcd
+  of the state's sub-blocks' head counts): ``G / N`` groups per rank, so ``N`` must divide
+  ``G`` as well as the attention heads. Input projections and conv channels column-parallel
+  (each fused block cut on its own), per-head vectors sliced, out_proj row-parallel
+  (:mod:`.mixers`); a rank's state slot then holds exactly its groups of every sub-block.
 * MLP and every MoE expert (routed and shared): gate/up column-parallel, down row-parallel over
   the intermediate dimension (``[r I / N, (r+1) I / N)``, uneven sizes allowed); the router is
-  replicated, so every rank routes the same tokens to the same experts. gpt-oss stores its
-  experts transposed with gate and up interleaved (``gate_up_proj`` [E, D, 2I], ``down_proj``
-  [E, I, D]): a rank's intermediate slice [a, b) is columns [2a, 2b) of ``gate_up_proj`` and of
-  its bias, rows [a, b) of ``down_proj``; ``down_proj_bias`` is rank 0's.
+  replicated, so every rank routes the same tokens to the same experts. Nemotron-H's MLP layers
+  (``mixer.up_proj`` / ``mixer.down_proj``) alike; Granite 4.0-H's ``input_linear`` (``[gate |
+  up]``, per expert ``[E, 2I, D]`` or shared ``[2I, D]``) and ``output_linear`` alike. gpt-oss
+  stores its experts transposed with gate and up interleaved (``gate_up_proj`` [E, D, 2I],
+  ``down_proj`` [E, I, D]): a rank's intermediate slice [a, b) is columns [2a, 2b) of
+  ``gate_up_proj`` and of its bias, rows [a, b) of ``down_proj``; ``down_proj_bias`` is rank 0's.
 * embedding replicated; LM head vocabulary-parallel: rank ``r`` holds rows
   ``[r Vp, (r+1) Vp)`` with ``Vp = ceil(V / N)``, zero rows padding the last shard to ``Vp``.
 * biases of row-parallel layers are kept on rank 0 only (added once to the sum).
@@ -33,6 +41,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..config import ModelConfig
+from ..state_pool import StateSpec
+from .mixers import mixer_part, mixer_spec
 
 
 class TensorParallelConfigError(ValueError):
@@ -54,6 +64,8 @@ class ShardPlan:
     total_kv_heads: int  # GQA: the model's KV heads; MLA: 1 (the latent)
     vocab: tuple[int, int]  # real vocabulary rows of the LM head shard
     vocab_padded: int  # rows of every rank's LM head shard (ceil(V / size))
+    groups: tuple[int, int] = (0, 0)  # recurrent state head groups held (a hybrid model)
+    total_groups: int = 0  # the state's head groups (StateSpec.groups); 0: no recurrent layers
 
     @classmethod
     def build(cls, cfg: ModelConfig, size: int, rank: int) -> ShardPlan:
@@ -89,21 +101,56 @@ class ShardPlan:
             total = Hkv
         vp = -(-cfg.vocab_size // size)
         vocab = (min(rank * vp, cfg.vocab_size), min((rank + 1) * vp, cfg.vocab_size))
-        return cls(rank, size, (rank * hl, (rank + 1) * hl), kv, total, vocab, vp)
+        G = _state_groups(cfg, size)
+        groups = (rank * G // size, (rank + 1) * G // size)
+        return cls(rank, size, (rank * hl, (rank + 1) * hl), kv, total, vocab, vp, groups, G)
 
     def split(self, n: int) -> tuple[int, int]:
         """This rank's slice of a dimension of ``n`` split as evenly as possible."""
         return n * self.rank // self.size, n * (self.rank + 1) // self.size
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
-        """The config the rank's model is built with: its heads; the LM head is its own tensor."""
+        """The config the rank's model is built with: its heads (attention's; a recurrent
+        mixer's, ``1/N`` of each kind); the LM head is its own tensor."""
         hl = self.heads[1] - self.heads[0]
         kvl = hl if cfg.attn == "mla" else self.kv_heads[1] - self.kv_heads[0]
-        return replace(cfg, num_heads=hl, num_kv_heads=kvl, tie_word_embeddings=False)
+        n, mixers = self.size, {}
+        if cfg.deltanet is not None:
+            d = cfg.deltanet
+            mixers["deltanet"] = replace(
+                d, num_k_heads=d.num_k_heads // n, num_v_heads=d.num_v_heads // n
+            )
+        if cfg.mamba is not None:
+            m = cfg.mamba
+            mixers["mamba"] = replace(m, num_heads=m.num_heads // n, n_groups=m.n_groups // n)
+        return replace(cfg, num_heads=hl, num_kv_heads=kvl, tie_word_embeddings=False, **mixers)
 
 
-_ATTN = re.compile(r"\.self_attn\.(q_proj|q_b_proj|k_proj|v_proj|kv_b_proj|o_proj)\.(weight|bias)$")
-_MLP = re.compile(r"\.mlp\.(?:.+\.)?(gate_proj|up_proj|down_proj)\.(weight|bias)$")
+def _state_groups(cfg: ModelConfig, size: int) -> int:
+    """The state head groups of ``cfg``'s recurrent layers (0: none), which ``size`` must divide."""
+    spec = StateSpec.of(cfg)
+    if spec is None:
+        return 0
+    G = spec.groups
+    if G % size:
+        heads = ", ".join(f"{s.name} {s.heads}" for s in spec.segments)
+        raise TensorParallelConfigError(
+            f"tensor_parallel_size {size} does not divide the {G} head groups of "
+            f"{cfg.architecture}'s {spec.kind} state (the gcd of its sub-blocks' heads: "
+            f"{heads}; a rank holds whole groups of each); sizes that work: "
+            f"{[d for d in _divisors(G) if cfg.num_heads % d == 0]}"
+        )
+    return G
+
+
+# attention: ``self_attn``, or Nemotron-H's ``mixer`` of an attention layer
+_ATTN = re.compile(
+    r"\.(?:self_attn|mixer)\.(q_proj|q_b_proj|k_proj|v_proj|kv_b_proj|o_proj)\.(weight|bias)$"
+)
+# an MLP, an expert, a shared expert; Nemotron-H's MLP layer is a ``mixer``
+_MLP = re.compile(r"\.(?:mlp|mixer)\.(?:.+\.)?(gate_proj|up_proj|down_proj)\.(weight|bias)$")
+# Granite 4.0-H: experts' [E, 2I, D] / [E, D, I], the shared MLP's [2I, D] / [D, I]
+_GATE_UP_PACKED = re.compile(r"\.(?:block_sparse_moe|shared_mlp)\.(input|output)_linear\.weight$")
 _FUSED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _SINKS = re.compile(r"\.self_attn\.sinks$")
 # experts as [E, D, 2I] (gate / up interleaved) and [E, I, D], with biases
@@ -125,6 +172,9 @@ def slice_spec(
     padded to ``plan.vocab_padded`` rows afterwards (:func:`vocab_shard`)."""
     if name == LM_HEAD:
         return 0, (plan.vocab,)
+    part = mixer_part(name, cfg)
+    if part is not None:
+        return mixer_spec(part, cfg, plan.groups, plan.total_groups)
     if _SINKS.search(name):
         return 0, (plan.heads,)
     m = _INTERLEAVED_EXPERTS.search(name)
@@ -132,7 +182,7 @@ def slice_spec(
         return _interleaved_experts_spec(m.group(1), m.group(2) is not None, shape, plan)
     m = _ATTN.search(name)
     if m:
-        return _attention_spec(m.group(1), m.group(2), cfg, plan)
+        return _attention_spec(m.group(1), m.group(2), shape, cfg, plan)
     m = _MLP.search(name)
     if m:
         proj, kind = m.groups()
@@ -148,6 +198,14 @@ def slice_spec(
         inter = shape[1] // 2  # [E, 2I, D]: gate rows, then up rows
         a, b = plan.split(inter)
         return 1, ((a, b), (inter + a, inter + b))
+    m = _GATE_UP_PACKED.search(name)
+    if m:
+        if m.group(1) == "output":  # [..., D, I]
+            return len(shape) - 1, (plan.split(shape[-1]),)
+        dim = len(shape) - 2  # [..., 2I, D]: gate rows, then up rows
+        inter = shape[dim] // 2
+        a, b = plan.split(inter)
+        return dim, ((a, b), (inter + a, inter + b))
     return ALL  # replicated: norms, embedding, router, MLA latent projection
 
 
@@ -164,7 +222,9 @@ def _interleaved_experts_spec(
     return len(shape) - 1, ((2 * a, 2 * b),)
 
 
-def _attention_spec(proj: str, kind: str, cfg: ModelConfig, plan: ShardPlan) -> Slice | str | None:
+def _attention_spec(
+    proj: str, kind: str, shape: list[int], cfg: ModelConfig, plan: ShardPlan
+) -> Slice | str | None:
     h0, h1 = plan.heads
     if proj == "o_proj":
         if kind == "bias":
@@ -176,8 +236,8 @@ def _attention_spec(proj: str, kind: str, cfg: ModelConfig, plan: ShardPlan) -> 
         return 0, ((k0 * cfg.head_dim, k1 * cfg.head_dim),)
     if proj == "kv_b_proj":
         per = cfg.qk_nope_head_dim + cfg.v_head_dim
-    else:  # q_proj, q_b_proj: per head dn + dr (MLA) or head_dim (GQA): cfg.head_dim either way
-        per = cfg.head_dim
+    else:  # q_proj, q_b_proj: per head dn + dr (MLA), head_dim (GQA), [q | gate] (Qwen3-Next)
+        per = shape[0] // cfg.num_heads
     return 0, ((h0 * per, h1 * per),)
 
 

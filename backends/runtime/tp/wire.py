@@ -4,12 +4,14 @@ Rank 0 sends each command as the raw bytes of one int64 array over a pipe to eac
 pickle). Layout: ``[VERSION, op, pool_id, ...]``, then per op:
 
 * ``MAKE_POOL``: ``num_pages, page_size, role`` (0 target, 1 draft), ``window_pages`` (the
-  sliding-window entry's pages; -1: the default) and ``window_id`` (the id its entry goes by in
-  LAYOUT and the KV agents' pools);
+  sliding-window entry's pages; -1: the default), ``window_id`` (the id its entry goes by in
+  LAYOUT and the KV agents' pools), ``num_slots`` (a hybrid model's state slots; -1: none) and
+  ``state_id`` (the id its state entry, ``pool.states``, goes by);
 * ``DROP_POOL``: nothing (the pool is gone on rank 0);
 * ``FORWARD`` and ``PREFILL`` (a batch of prompts, layer-grouped on rank 0):
-  ``last_only, B, (start_pos, num_tokens, num_pages, num_window_pages) x B, tokens...,
-  pages..., window pages...`` (a sequence without window pages: -1 of them);
+  ``last_only, B, (start_pos, num_tokens, num_pages, num_window_pages, slot) x B, tokens...,
+  pages..., window pages...`` (a sequence without window pages: -1 of them; without a state
+  slot: slot -1);
 * ``STOP``: nothing;
 * ``LAYOUT``: nothing; the worker answers :func:`encode_layout` of its pool's layout.
 
@@ -26,7 +28,8 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
-VERSION = 3  # 2: PREFILL carries a batch like FORWARD; 3: sliding-window pages
+# 2: PREFILL carries a batch like FORWARD; 3: sliding-window pages; 4: state slots
+VERSION = 4
 MAKE_POOL, DROP_POOL, FORWARD, PREFILL, STOP, LAYOUT = range(1, 7)
 LAYOUT_FIELDS = ("head_start", "kv_heads", "total_kv_heads", "base_addr")
 ROLES = ("target", "draft")
@@ -41,32 +44,47 @@ class Command:
     role: str = "target"
     window_pages: int | None = None  # MAKE_POOL: None: the default
     window_id: int = 0
+    num_slots: int | None = None  # MAKE_POOL: state slots (None: a model without them)
+    state_id: int = 0
     last_only: bool = False  # FORWARD
-    # FORWARD / PREFILL: (tokens, start_pos, pages) per sequence, and its window pages after
-    # them where it has some (see window_pages_of)
+    # FORWARD / PREFILL: per sequence (tokens, start_pos, pages, window pages, state slot),
+    # without the trailing fields it lacks (see seq_fields)
     seqs: list[tuple] = field(default_factory=list)
 
 
-def window_pages_of(seq: tuple) -> list[int] | None:
-    """A FORWARD / PREFILL sequence's pages in the sliding-window entry (None: none given)."""
-    return seq[3] if len(seq) > 3 else None
+def wire_seq(tokens, start: int, pages, window=None, slot: int | None = None) -> tuple:
+    """A FORWARD / PREFILL sequence: ``(tokens, start, pages, window, slot)`` less its trailing
+    Nones (window: its pages in the sliding-window entry; slot: its state slot)."""
+    seq = (list(tokens), start, list(pages), None if window is None else list(window), slot)
+    n = len(seq)
+    while seq[n - 1] is None:
+        n -= 1
+    return seq[:n]
+
+
+def seq_fields(seq: tuple) -> tuple:
+    """(tokens, start, pages, window pages or None, state slot or None) of a wire sequence."""
+    return (*seq, *(None,) * (5 - len(seq)))
 
 
 def encode(cmd: Command) -> bytes:
     out = array("q", [VERSION, cmd.op, cmd.pool_id])
     if cmd.op == MAKE_POOL:
         window = -1 if cmd.window_pages is None else cmd.window_pages
+        slots = -1 if cmd.num_slots is None else cmd.num_slots
         out.extend([cmd.num_pages, cmd.page_size, ROLES.index(cmd.role), window, cmd.window_id])
+        out.extend([slots, cmd.state_id])
     elif cmd.op in (FORWARD, PREFILL):
         out.extend([int(cmd.last_only), len(cmd.seqs)])
-        windows = [window_pages_of(seq) for seq in cmd.seqs]
-        for (tokens, start, pages, *_), w in zip(cmd.seqs, windows, strict=True):
+        seqs = [seq_fields(seq) for seq in cmd.seqs]
+        for tokens, start, pages, w, slot in seqs:
             out.extend([start, len(tokens), len(pages), -1 if w is None else len(w)])
-        for tokens, *_ in cmd.seqs:
+            out.append(-1 if slot is None else slot)
+        for tokens, *_ in seqs:
             out.extend(tokens)
-        for _, _, pages, *_ in cmd.seqs:
+        for _, _, pages, *_ in seqs:
             out.extend(pages)
-        for w in windows:
+        for _, _, _, w, _ in seqs:
             out.extend(w or [])
     return out.tobytes()
 
@@ -81,21 +99,22 @@ def decode(buf: bytes) -> Command:
     if cmd.op == MAKE_POOL:
         cmd.num_pages, cmd.page_size, cmd.role = a[3], a[4], ROLES[a[5]]
         cmd.window_pages, cmd.window_id = (None if a[6] < 0 else a[6]), a[7]
+        cmd.num_slots, cmd.state_id = (None if a[8] < 0 else a[8]), a[9]
     elif cmd.op in (FORWARD, PREFILL):
         cmd.last_only, B = bool(a[3]), a[4]
-        heads = [a[5 + 4 * b : 9 + 4 * b] for b in range(B)]
-        pos = 5 + 4 * B
+        heads = [a[5 + 5 * b : 10 + 5 * b] for b in range(B)]
+        pos = 5 + 5 * B
 
         def take(n: int) -> list[int]:
             nonlocal pos
             pos += n
             return a[pos - n : pos].tolist()
 
-        toks = [take(n) for _, n, _, _ in heads]
-        pages = [take(n) for _, _, n, _ in heads]
-        windows = [None if n < 0 else take(n) for _, _, _, n in heads]
-        for (start, *_), t, p, w in zip(heads, toks, pages, windows, strict=True):
-            cmd.seqs.append((t, start, p) if w is None else (t, start, p, w))
+        toks = [take(n) for _, n, _, _, _ in heads]
+        pages = [take(n) for _, _, n, _, _ in heads]
+        windows = [None if n < 0 else take(n) for _, _, _, n, _ in heads]
+        for (start, *_, slot), t, p, w in zip(heads, toks, pages, windows, strict=True):
+            cmd.seqs.append(wire_seq(t, start, p, w, None if slot < 0 else slot))
     elif cmd.op not in (DROP_POOL, STOP, LAYOUT):
         raise ValueError(f"unknown tensor-parallel command {cmd.op}")
     return cmd

@@ -126,7 +126,7 @@ def serve(runner, conn: Connection, pools: dict) -> None:
         STOP,
         decode,
         encode_layout,
-        window_pages_of,
+        seq_fields,
     )
 
     while True:
@@ -139,11 +139,17 @@ def serve(runner, conn: Connection, pools: dict) -> None:
         if cmd.op == MAKE_POOL:
             try:
                 pool = runner.make_pool(
-                    cmd.num_pages, cmd.page_size, cmd.role, window_pages=cmd.window_pages
+                    cmd.num_pages, cmd.page_size, cmd.role, cmd.num_slots, cmd.window_pages
                 )
                 pools[cmd.pool_id] = pool
                 if pool.window is not None:  # its sliding-window entry, by an id of its own
                     pools[cmd.window_id] = pool.window
+                if pool.states is not None:  # its state slots, likewise
+                    pools[cmd.state_id] = pool.states
+                    # rank 0 owns the slot allocator and checked each slot it sends: here
+                    # every slot is held, so a forward may name any of them
+                    for _ in range(pool.states.num_slots):
+                        pool.states.alloc()
                 conn.send_bytes(OK)
             except Exception as e:  # e.g. out of memory: rank 0 raises it from make_pool
                 conn.send_bytes(ERROR + f"{type(e).__name__}: {e}".encode())
@@ -160,7 +166,10 @@ def serve(runner, conn: Connection, pools: dict) -> None:
             continue
         try:
             pool = pools[cmd.pool_id]
-            inputs = [SeqInput(*seq[:3], window_pages=window_pages_of(seq)) for seq in cmd.seqs]
+            inputs = []
+            for seq in cmd.seqs:
+                tokens, start, pages, window, slot = seq_fields(seq)
+                inputs.append(SeqInput(tokens, start, pages, slot, window))
             if cmd.op == FORWARD:
                 runner.forward(pool, inputs, last_only=cmd.last_only)
             elif cmd.op == PREFILL:

@@ -27,6 +27,7 @@ from ..metrics import INFO
 
 PREFILL_MODEL = "prefill"
 QUEUE_METRIC = "pd_queued_prompt_tokens"
+CACHE_METRIC = "pd_prefix_lookup_tokens_total"  # exported by a stage with a prefix cache only
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _LEN = struct.Struct("<I")  # Triton's BYTES element: 4-byte little-endian length, then bytes
 
@@ -155,6 +156,7 @@ class PrefillClient:
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
         self.fingerprint = ""  # ours (JSON), sent with every forward; the router sets it
         self.remote_fingerprints: list = []  # the server's, from its last metrics read
+        self.caches = True  # its prefill instances keep a prefix cache (they export its metric)
 
     def forward(self, req: rq.StageRequest, on_end: Callable[[str | None, bool], None]) -> Forward:
         return Forward(self.stub, req, on_end, self.fingerprint)
@@ -179,6 +181,7 @@ class PrefillClient:
             for line in text.splitlines()
             if line.startswith(INFO.name + "{")
         ]
+        self.caches = any(line.startswith(CACHE_METRIC) for line in text.splitlines())
         return sum(
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()

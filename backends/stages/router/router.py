@@ -176,7 +176,13 @@ class PrefillRouter:
     def _cost(self, s: PrefillServer, blocks: list[bytes] | None) -> float:
         if self.route_policy != "cache" or not blocks:
             return s.load()
-        return s.load() - s.prefix.hit_blocks(blocks) * self.page_size  # + prompt: the same
+        return s.load() - self._hit(s, blocks)  # + the prompt's tokens: the same everywhere
+
+    def _hit(self, s: PrefillServer, blocks: list[bytes]) -> int:
+        """Prompt tokens server ``s`` likely caches (0 when its instances keep no cache)."""
+        if not getattr(s.client, "caches", True):
+            return 0
+        return s.prefix.hit_blocks(blocks) * self.page_size
 
     def dispatch(
         self,
@@ -209,7 +215,7 @@ class PrefillRouter:
                 routed = self._forward(s, req, on_end, deliver)
                 self.counters["routed"] += 1
                 with self._lock:
-                    s.counters["hit_tokens"] += s.prefix.hit_blocks(blocks) * self.page_size
+                    s.counters["hit_tokens"] += self._hit(s, blocks)
                     s.prefix.add(blocks)
                     self.decode_prefix.add(blocks)  # its KV lands in decode's cache too
                 return routed, s.name
