@@ -2,12 +2,13 @@
 Nemotron-H-shaped model, built with transformers from a config (random weights) and saved as
 safetensors, so our runtime loads them as it loads a real checkpoint.
 
-Scaled so a prefill of 1-4K tokens takes about a second on a 2-core CPU, and so their state
-stays as large against their KV as the flagships' is (the break-even prompt, where the state's
-bytes equal the KV's, is of the same order: Qwen3-Next-80B in bfloat16 about 3.3K tokens,
-this one in float32 about 0.8K; Nemotron-Nano-9B-v2 about 9K, this one about 1.6K). Their
-recurrent layers keep the flagships' head shapes (DeltaNet 128 x 128 per value head, Mamba2
-state 128), with fewer heads and a narrow hidden size.
+Scaled so a prefill of 1-2K tokens takes about a second on one thread of the 2-core machine
+(measured 2026-11-28 at load 1: 0.8 / 1.8 s for the Qwen3-Next-shaped one at 1K / 2K tokens,
+0.5 / 1.0 s for the Nemotron-H-shaped one), and so their state stays of the flagships' order
+against their KV (the prompt at which the state's bytes equal the KV's: Qwen3-Next-80B in
+bfloat16 about 3.2K tokens, this one in float32 about 0.8K; Nemotron-Nano-9B-v2 about 9K, this
+one about 1.6K). Their recurrent layers keep the flagships' head shapes (DeltaNet 128 x 128 per
+value head, Mamba2 state 128), with fewer heads and a narrow hidden size.
 """
 
 from __future__ import annotations

@@ -14,19 +14,28 @@ def _k(n: int) -> str:
 
 
 def bytes_table(part: dict) -> str:
-    rows = []
+    """One row per family, its prompt lengths side by side."""
+    by: dict[str, list[dict]] = {}
     for r in part["rows"]:
-        saved = r.get("window_saved_fraction")
+        by.setdefault(r["family"], []).append(r)
+    rows = []
+    for fam in part["families"]:
+        rs = by[fam["family"]]
+        state = fam["state_bytes_per_request"]
+        saved = [r.get("window_saved_fraction") for r in rs]
         rows.append([
-            r["family"],
-            _k(r["tokens"]),
-            f"{r['bytes_per_token'] / 1024:.1f}",
-            f"{r['full_attention_bytes_per_token'] / 1024:.1f}",
-            f"{r['ratio_to_full_attention']:.3f}",
-            "" if saved is None else f"{saved:.1%} ({r['window_bytes_saved'] / 2**20:.0f} MiB)",
+            fam["family"],
+            ", ".join(f"{n} {kind}" for kind, n in fam["layer_kinds"].items()),
+            f"{state / 2**20:.1f} MiB" if state else "",
+            " / ".join(f"{r['bytes_per_token'] / 1024:.1f}" for r in rs),
+            f"{rs[0]['full_attention_bytes_per_token'] / 1024:.1f}",
+            " / ".join(f"{r['ratio_to_full_attention']:.2f}" for r in rs),
+            "" if saved[0] is None else " / ".join(f"{100 * x:.1f} %" for x in saved),
         ])  # fmt: skip
-    header = ["family", "prompt", "KV + state KiB/token", "full attention KiB/token", "ratio",
-              "SWA layers: bytes saved"]  # fmt: skip
+    at = " / ".join(_k(n) for n in part["lengths"])
+    header = ["family (shape)", "layers", "state a request", f"KV + state KiB/token at {at}",
+              "full attention KiB/token", f"ratio at {at}",
+              f"sliding layers: bytes saved at {at}"]  # fmt: skip
     return _table(header, rows)
 
 
@@ -55,13 +64,18 @@ def exposed_table(part: dict) -> str:
 
 
 def speed_table(part: dict) -> str:
+    def cell(runs: list[float], median: float) -> str:
+        return f"{median:.1f} ({min(runs):.1f}-{max(runs):.1f})"
+
     rows = []
     for model, res in part.items():
-        ours, hf = res["results"]["runtime"], res["results"]["transformers"]
-        for metric in ours:
-            rows.append([model, metric, f"{ours[metric]:.1f}", f"{hf[metric]:.1f}",
+        med, runs = res["results"], res["per_run"]
+        for metric in med["runtime"]:
+            rows.append([model, metric, cell(runs["runtime"][metric], med["runtime"][metric]),
+                         cell(runs["transformers"][metric], med["transformers"][metric]),
                          f"{res['ratio'][metric]:.2f}"])  # fmt: skip
-    return _table(["model", "metric (tokens/s, median)", "runtime", "transformers", "ratio"], rows)
+    header = ["model", "tokens/s: median (range)", "runtime", "transformers", "ratio (in-run)"]
+    return _table(header, rows)
 
 
 def render(out: dict) -> str:

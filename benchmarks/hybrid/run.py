@@ -56,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help=f"CI smoke run: {QUICK}")
     ap.add_argument("--out", default=None, help="also write the JSON there")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--from-json", default=None, help="print the tables of a result (no run)")
     args = ap.parse_args(argv)  # fmt: skip
     if args.quick:
         for k, v in QUICK.items():
@@ -81,8 +82,22 @@ def machine(link: dict | None) -> dict:
     }
 
 
+def rounded(x):
+    """``x`` with every float to 5 significant digits (the JSON stays readable and small)."""
+    if isinstance(x, float):
+        return float(f"{x:.5g}")
+    if isinstance(x, dict):
+        return {k: rounded(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [rounded(v) for v in x]
+    return x
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        print(report.render(json.loads(Path(args.from_json).read_text())))
+        return 0
     measured = {"exposed", "speed"} & set(args.parts)
     if args.link_gbit is not None and "exposed" in args.parts and not netns.in_netns():
         return netns.reexec_in_netns(MODULE, args.link_gbit, args.link_burst, args.link_latency)
@@ -103,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         out["exposed"] = exposed.measure(
             paths, args.exposed_lengths, args.runs, args.threads, args.p99_min, logs
         )
+        out["meta"]["load_avg_after_exposed"] = list(os.getloadavg())
     if "speed" in args.parts:
         log(f"speed: {args.models} vs transformers")
         out["speed"] = speed.measure(
@@ -110,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
             args.speed_runs,
         )  # fmt: skip
     out["meta"]["load_avg_end"] = list(os.getloadavg())
-    text = json.dumps(out)
+    text = json.dumps(rounded(out))
     if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        Path(args.out).write_text(text + "\n")
     print(text if args.json else report.render(out))
     return 0
 

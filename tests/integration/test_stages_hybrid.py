@@ -139,3 +139,49 @@ def test_a_decode_whose_state_layout_differs_is_refused_naming_the_entry():
     finally:
         tx.close()
         rx.close()
+
+
+def colocated_greedy(ckpt: str, dtype: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """The same runtime, colocated (itself checked against transformers in tests/unit)."""
+    from backends.runtime.engine import LLMEngine
+    from backends.runtime.loader import load_runner
+
+    runner = load_runner(ckpt, dtype=dtype)
+    engine = LLMEngine(runner, runner.make_pool(128, 4, num_slots=8))
+    sp = SamplingParams(max_tokens=n, ignore_eos=True)
+    return [s.output_ids for s in engine.generate([(p, sp) for p in prompts])]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "nemotron_h", "gemma3"])
+def test_bfloat16_pd_equals_bfloat16_colocated(kind):
+    ckpt = checkpoint(kind)
+    params = tiny_params(ckpt, dtype="bfloat16")
+    prefill, decode = PrefillProcess(**params), DecodeWorker(StageParams(**params))
+    try:
+        prompts = {600 + n: random_prompt(n, seed=n) for n in (11, 47)}
+        outs = run_rooms(prefill, decode, prompts)
+        want = colocated_greedy(ckpt, "bfloat16", list(prompts.values()), NEW)
+        assert [outs[r].ids for r in prompts] == want
+        assert all_back(prefill, decode)
+    finally:
+        decode.close()
+        prefill.stop()
+
+
+@pytest.mark.parametrize("role", ["target.state", "target"])
+def test_a_failed_state_or_kv_transfer_fails_the_request_and_gives_back_pages_and_slots(role):
+    ckpt = checkpoint("qwen3_next")
+    params = tiny_params(ckpt, transfer_timeout_s=20.0)
+    prefill = PrefillProcess(fail_role=role, **params)
+    decode = DecodeWorker(StageParams(**params))
+    try:
+        c = Collector()
+        ids = random_prompt(30, seed=4)
+        decode.submit(request(700, ids, prefill.addr), c)
+        prefill.submit_all([(700, ids)])
+        assert c.done.wait(60) and c.events[-1].error
+        assert all_back(prefill, decode)
+        assert decode.pools["target.state"].pages_in_use == 0
+    finally:
+        decode.close()
+        prefill.stop()

@@ -159,6 +159,11 @@ def test_quick_json_keys(capsys, tmp_path):
     for res in out["speed"].values():
         assert set(res["ratio"]) == {"prefill_64_tok_s", "decode_b2_tok_s"}
         assert all(v > 0 for v in res["results"]["transformers"].values())
+    (tmp_path / "r.json").write_text(json.dumps(out))  # the tables again, from the JSON
+    assert run.main(["--from-json", str(tmp_path / "r.json")]) == 0
+    text = capsys.readouterr().out
+    assert "| qwen3-next-80b-a3b | 12 full_attention, 36 linear_attention | 75.4 MiB |" in text
+    assert text.count("| qwen3-next-tiny |") == 2  # prefill and decode rows
 
 
 def test_quick_parses_and_refuses():
