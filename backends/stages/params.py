@@ -108,7 +108,7 @@ class StageParams:
     )
     prefix_cache: str = _p(
         "auto",
-        PD,
+        PDR,  # the router weighs decode's likely hits only when decode keeps a cache
         "reuse the KV of prompt prefixes (page-aligned blocks): prefill computes only what its"
         " cache lacks, decode registers only what its cache lacks and prefill sends only that;"
         " `auto` = on where the model can be cached by page (not for recurrent or sliding-window"

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 
-from ..runtime.eagle import EagleHead
+from ..runtime.config import ModelConfig
+from ..runtime.eagle import EagleHead, head_config
 from ..runtime.kv_pool import KVPool
 from ..runtime.prefix_cache import KVEventPublisher, PrefixCache, prefix_cache_refusal
 from ..runtime.runner import ModelRunner
@@ -34,6 +35,18 @@ def refusal(params: StageParams, runner: ModelRunner, draft) -> str | None:
     if why is None and isinstance(draft, EagleHead):
         why = "an EAGLE head reads the target's features of every prompt position"
     return why
+
+
+def caches(params: StageParams) -> bool:
+    """Whether a stage of these parameters keeps a prefix cache, decided from the parameters and
+    the checkpoints' configs alone, as :func:`stage_cache` decides it at load: for the router,
+    another process beside decode, which credits decode with likely hits only then."""
+    if params.prefix_cache == "off":
+        return False
+    if prefix_cache_refusal(ModelConfig.from_pretrained(params.model_path)) is not None:
+        return False
+    eagle = params.spec_enabled and params.draft_path and head_config(params.draft_path)
+    return not eagle
 
 
 def cache_stats(cache: PrefixCache | None) -> dict:

@@ -78,19 +78,24 @@ def test_chat_multi_turn_equals_transformers_with_exact_usage(client, reference,
 
 
 def test_a_repeated_prefix_is_reported_as_cached_tokens(client, reference):
-    """The prefix cache (on by default): the second request's prompt prefix is served from the
-    cache, usage says how many tokens (page-aligned, at most the prompt), and the answer is
-    the same as the first's and transformers'."""
+    """The prefix cache (on by default): a repeated prompt's prefix is served from the cache,
+    usage says how many tokens (page-aligned, at most the prompt), and every answer is the same
+    as transformers'. This server runs two prefill instances, each with its own cache, and
+    Triton may hand a repeat to either: of three repeats, those on the first one's instance hit."""
     system = "You are a patient tutor. " * 12  # a shared system prompt, several pages
     messages = [{"role": "system", "content": system}, {"role": "user", "content": Q}]
     prompt = chat_ids(reference, messages)
     want = reference.text(greedy_from(reference, prompt, 8))
     kw = {"model": NAME, "messages": messages, "max_tokens": 8, "temperature": 0}
     first = client.chat.completions.create(**kw)
-    again = client.chat.completions.create(**kw)
-    assert first.choices[0].message.content == again.choices[0].message.content == want
-    cached = again.usage.prompt_tokens_details.cached_tokens
-    assert cached % 16 == 0 and 16 * (len(prompt) // 32) <= cached <= len(prompt)
+    assert first.choices[0].message.content == want
+    cached = []
+    for _ in range(3):
+        again = client.chat.completions.create(**kw)
+        assert again.choices[0].message.content == want
+        cached.append(again.usage.prompt_tokens_details.cached_tokens)
+    assert all(c % 16 == 0 and c <= len(prompt) for c in cached), cached
+    assert max(cached) >= 16 * (len(prompt) // 32), cached
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -138,6 +138,30 @@ def test_local_prefill_on_the_decode_server_needs_no_prefill_and_equals_transfor
         decode.close()
 
 
+def test_a_repeated_local_prompt_reports_its_cached_prefix():
+    """Decode prefills a prompt itself a second time from its prefix cache: the final event says
+    how many prompt tokens came from the cache (usage's cached_tokens), known only once the
+    engine scheduled the prompt, and the tokens are the first time's."""
+    from backends.stages.router import LOCAL
+
+    params = StageParams(**tiny_params(checkpoint("llama")))
+    decode = DecodeWorker(params)
+    try:
+        ids, got = random_prompt(40, seed=7), []
+        for i in range(2):
+            c = Collector()
+            sampling = SamplingParams(max_tokens=4)
+            decode.submit(StageRequest(room=320 + i, prompt_ids=ids, sampling=sampling,
+                                       bootstrap_addr=LOCAL), c)  # fmt: skip
+            assert c.done.wait(60) and c.events[-1].error is None
+            got.append((c.ids, c.events[-1].cached_tokens))
+        page = params.page_size
+        assert got[0] == (hf_greedy("llama", ids, 4), 0)
+        assert got[1] == (got[0][0], page * ((len(ids) - 1) // page))
+    finally:
+        decode.close()
+
+
 def test_bad_frames_on_the_cancel_channel_count_as_dropped_frames():
     """Unsigned and stale Cancels cancel nothing and show in the decode stage's dropped-frame
     counters (``pd_dropped_frames_total``)."""

@@ -284,3 +284,20 @@ def test_mistral_runner_refused():
     pool = runner.make_pool(8, P)
     with pytest.raises(ValueError, match="sliding-window"):
         LLMEngine(runner, pool, prefix_cache=PrefixCache(pool))
+
+
+def test_the_router_knows_whether_decode_keeps_a_cache():
+    """``caches`` (the router's view, from parameters and configs) agrees with what a stage
+    loads: off by parameter, for a recurrent or sliding-window model, and with an EAGLE head."""
+    from eagle_heads import random_head
+
+    from backends.stages.params import StageParams
+    from backends.stages.prefix import caches
+
+    llama = rm.checkpoint("llama")
+    assert caches(StageParams(model_dir=llama))
+    assert not caches(StageParams(model_dir=llama, prefix_cache="off"))
+    assert not caches(StageParams(model_dir=rm.checkpoint("qwen3_next")))
+    assert not caches(StageParams(model_dir=rm.checkpoint("mistral")))
+    head = StageParams(model_dir=llama, spec_enabled=True, draft_model_dir=random_head(llama))
+    assert not caches(head)

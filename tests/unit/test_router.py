@@ -430,11 +430,22 @@ def test_a_long_prompt_whose_prefix_decode_holds_is_prefilled_locally():
     """Conditional disaggregation counts the tokens uncached on decode, not the prompt's."""
     from backends.stages.router import LOCAL
 
-    r, _ = cached_router("cache", local_max_tokens=12)
+    r, _ = cached_router("cache", local_max_tokens=12, decode_caches=True)
     assert ask(r, 1, chat(1)) != LOCAL  # 48 new tokens: a prefill server
     assert ask(r, 2, chat(2)) == LOCAL  # 56 tokens, but decode likely holds the first 48
     assert ask(r, 3, [5] * 56) != LOCAL  # as long, nothing cached
     assert r.stats()["servers"][LOCAL]["hit_tokens"] == 48
+    r.close()
+
+
+def test_a_decode_server_without_a_cache_is_credited_with_no_hit():
+    """prefix_cache=off at decode (or a model it refuses, e.g. an EAGLE head): a repeated long
+    prompt still goes to a prefill server, as decode would compute all of it."""
+    from backends.stages.router import LOCAL
+
+    r, _ = cached_router("cache", local_max_tokens=12)
+    assert [ask(r, t, chat(1)) != LOCAL for t in range(3)] == [True] * 3
+    assert r.stats()["servers"][LOCAL]["hit_tokens"] == 0
     r.close()
 
 

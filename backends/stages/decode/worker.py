@@ -487,7 +487,6 @@ class DecodeWorker:
             try:
                 seq = self.engine.add_request(r.seq_id, r.req.prompt_ids, r.req.sampling)
                 r.text = seq.text  # the engine's detokenizer (a fresh one: nothing streamed yet)
-                r.cached_tokens = seq.num_cached_tokens
             except Exception as e:  # this request only
                 self.out.finish(r, error=f"decode could not take the request: {e}")
                 continue
@@ -582,6 +581,8 @@ class DecodeWorker:
             c["tokens"] += len(tokens)
             if "first_token" not in r.t:
                 r.t["first_token"] = now
+                if "local_prefill" in r.t:  # its cached prefix was leased when the prompt ran
+                    r.cached_tokens = _cached_tokens(self.engine, out, seq_id)
                 c["ttft_sum"] += now - r.t["submitted"]
                 c["ttft_count"] += 1
             else:
@@ -597,3 +598,10 @@ class DecodeWorker:
             if final:
                 del self.requests.running[seq_id]
                 self.out.finish(r, reason=reasons[seq_id], tokens=tokens, logprobs=logprobs)
+
+
+def _cached_tokens(engine, out: StepOutput, seq_id: str) -> int:
+    """Prompt tokens of a locally prefilled sequence that its engine served from the prefix cache
+    (known once the engine scheduled the prompt; a sequence that ended in this step left it)."""
+    seq = engine.seqs.get(seq_id) or next((s for s in out.finished if s.seq_id == seq_id), None)
+    return seq.num_cached_tokens if seq is not None else 0

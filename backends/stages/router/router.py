@@ -104,6 +104,7 @@ class PrefillRouter:
         fingerprint: Fingerprint | None = None,  # ours: prefill servers must match
         page_size: int = 0,  # > 0: weigh the prefix each server likely caches (cache-aware)
         route_policy: str = "cache",  # "cache": queue + uncached prompt tokens; "queue"
+        decode_caches: bool = False,  # the decode server beside it keeps a prefix cache
     ):
         self.fingerprint = fingerprint
         self.refusals: dict[str, int] = {}  # servers found incompatible, by reason
@@ -112,7 +113,8 @@ class PrefillRouter:
         if route_policy not in ROUTE_POLICIES:
             raise ValueError(f"route_policy must be one of {ROUTE_POLICIES}, got {route_policy!r}")
         self.page_size, self.route_policy = page_size, route_policy
-        self.decode_prefix = PrefixIndex()  # what this decode server's own cache likely holds
+        # what this decode server's own cache likely holds (None: it keeps none)
+        self.decode_prefix = PrefixIndex() if decode_caches else None
         if not servers and not (local_max_tokens or local_busy_tokens):
             raise ValueError("the router needs at least one prefill server (prefill_servers)")
         self.route_timeout_s, self.probe_interval_s = route_timeout_s, probe_interval_s
@@ -199,7 +201,7 @@ class PrefillRouter:
         self.counters["requests"] += 1
         blocks = prompt_blocks(req.prompt_ids, self.page_size)
         with self._lock:
-            here = self.decode_prefix.hit_blocks(blocks) * self.page_size
+            here = self._decode_hit(blocks)
         if self._prefill_here(len(req.prompt_ids) - here):  # what decode would compute
             return self._local(req, on_end, deliver, blocks, here)
         reasons: dict[str, str] = {}
@@ -217,7 +219,7 @@ class PrefillRouter:
                 with self._lock:
                     s.counters["hit_tokens"] += self._hit(s, blocks)
                     s.prefix.add(blocks)
-                    self.decode_prefix.add(blocks)  # its KV lands in decode's cache too
+                    self._decode_holds(blocks)  # its KV lands in decode's cache too
                 return routed, s.name
             except Refused as e:
                 reasons[s.name] = str(e)
@@ -238,6 +240,16 @@ class PrefillRouter:
             return self._local(req, on_end, deliver, blocks, here)
         self.counters["no_server"] += 1
         raise self._no_server(reasons, exclude, overloaded)
+
+    def _decode_hit(self, blocks: list[bytes]) -> int:
+        """Prompt tokens decode's own cache likely holds (0 when it keeps none)."""
+        if self.decode_prefix is None:
+            return 0
+        return self.decode_prefix.hit_blocks(blocks) * self.page_size
+
+    def _decode_holds(self, blocks: list[bytes]) -> None:
+        if self.decode_prefix is not None:
+            self.decode_prefix.add(blocks)
 
     @property
     def local(self) -> bool:
@@ -262,7 +274,7 @@ class PrefillRouter:
             self.local_counters["dispatched"] += 1
             self.local_counters["tokens"] += len(req.prompt_ids)
             self.local_counters["hit_tokens"] += here
-            self.decode_prefix.add(blocks)
+            self._decode_holds(blocks)
         routed = req.with_bootstrap(LOCAL)
         if deliver is not None:
             deliver(routed)

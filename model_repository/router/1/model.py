@@ -20,6 +20,7 @@ import triton_python_backend_utils as pb
 
 from backends.stages import triton_glue as g
 from backends.stages.fingerprint import stage_fingerprint
+from backends.stages.prefix import caches
 from backends.stages.router import PrefillRouter, RouterMetrics
 
 FINAL = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -35,7 +36,7 @@ class TritonPythonModel:
             local_max_tokens=p.local_prefill_max_tokens,
             local_busy_tokens=p.local_prefill_busy_tokens,
             fingerprint=stage_fingerprint(p),  # prefill servers of another deployment: refused
-            page_size=p.page_size, route_policy=p.route_policy,
+            page_size=p.page_size, route_policy=p.route_policy, decode_caches=caches(p),
         )  # fmt: skip
         self.metrics = RouterMetrics(pb, "router", name, self.router)
         self.stage_metrics = g.StageMetrics(pb, "router", name, self.router.stage_stats)
