@@ -190,11 +190,14 @@ EXIT_TIMEOUT=$((STOP_TIMEOUT > 10 ? STOP_TIMEOUT - 5 : STOP_TIMEOUT / 2))
 RESTRICTED="model-repository,shared-memory,trace,logging:pd-admin-key=$(cat "$KEYFILE")"
 LOADS=()
 for m in "${MODELS[@]}"; do LOADS+=(--load-model "$m"); done
+# --disable-auto-complete-config: every config.pbtxt is complete, and auto-completion makes the
+# Python backend start one extra stub per model that imports model.py (torch and all) before the
+# instances' own: 9 s of a 25 s start on 2 cores (measured)
 ARGS=(--model-repository "$REPO" --backend-directory "$BACKEND_DIR"
       --http-port "$HTTP" --grpc-port "$GRPC" --metrics-port "$METRICS"
       --http-address "$HOST" --grpc-address "$HOST" --metrics-address "$HOST"
       --allow-metrics true --log-verbose 0 --exit-on-error true --exit-timeout-secs "$EXIT_TIMEOUT"
-      --model-control-mode explicit
+      --model-control-mode explicit --disable-auto-complete-config
       --http-restricted-api "$RESTRICTED" --grpc-restricted-protocol "$RESTRICTED" "${LOADS[@]}")
 
 # the OpenAI-compatible front (it exits when tritonserver does); its name for the model is the

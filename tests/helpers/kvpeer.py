@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
+import sys
 import threading
 import time
 import traceback
@@ -361,7 +362,10 @@ def serve(conn, side: str, entries: dict, config: dict, seed: int, device: str) 
         if method == "exit":
             peer.close()
             conn.send(("ok", None))
-            break
+            sys.stdout.flush()
+            sys.stderr.flush()
+            # closed above; the interpreter's own teardown (torch, Mooncake) took ~1.5 s a peer
+            os._exit(0)
         try:
             conn.send(("ok", getattr(peer, method)(*args, **kwargs)))
         except Exception:

@@ -114,9 +114,15 @@ def test_state_plan_and_check():
     ends = [10.0, 20.0, 30.0]
     stats = [{"layers": [r.start, r.stop], "submitted": ends[k] + 0.1} for k, r in plan]
     assert exposed.state_as_planned(plan, stats, ends)
-    late = [dict(s) for s in stats]
-    late[0]["submitted"] = 25.0  # group 0's state queued after group 1 ended: not with its group
-    assert not exposed.state_as_planned(plan, late, ends)
+    lagging = [dict(s) for s in stats]
+    lagging[0]["submitted"] = 20.05  # queued just after the next group ended: still in plan
+    assert exposed.state_as_planned(plan, lagging, ends)
+    early = [dict(s) for s in stats]
+    early[1]["submitted"] = 15.0  # group 1's state queued before group 1 was computed
+    assert not exposed.state_as_planned(plan, early, ends)
+    swapped = [dict(s) for s in stats]
+    swapped[0]["submitted"] = 29.0  # queued after group 1's state: out of order
+    assert not exposed.state_as_planned(plan, swapped, ends)
     assert not exposed.state_as_planned(plan, stats[:2], ends)  # a state group missing
 
 
