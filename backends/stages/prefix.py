@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from ..runtime.config import ModelConfig
-from ..runtime.eagle import EagleHead, head_config
+from ..runtime.eagle import head_config
 from ..runtime.kv_pool import KVPool
 from ..runtime.prefix_cache import KVEventPublisher, PrefixCache, prefix_cache_refusal
 from ..runtime.runner import ModelRunner
@@ -29,24 +29,22 @@ STATS_KEYS = {
 }
 
 
-def refusal(params: StageParams, runner: ModelRunner, draft) -> str | None:
-    """Why this stage's model cannot use a prefix cache (None: it can)."""
-    why = prefix_cache_refusal(runner.config)
-    if why is None and isinstance(draft, EagleHead):
+def refusal(params: StageParams, config: ModelConfig) -> str | None:
+    """Why a stage of these parameters, serving a model of ``config``, cannot use a prefix cache
+    (None: it can)."""
+    why = prefix_cache_refusal(config)
+    if why is None and params.spec_enabled and params.draft_path and head_config(params.draft_path):
         why = "an EAGLE head reads the target's features of every prompt position"
     return why
 
 
 def caches(params: StageParams) -> bool:
-    """Whether a stage of these parameters keeps a prefix cache, decided from the parameters and
-    the checkpoints' configs alone, as :func:`stage_cache` decides it at load: for the router,
+    """Whether a stage of these parameters keeps a prefix cache, decided as :func:`stage_cache`
+    decides it at load, from the parameters and the checkpoint's config alone: for the router,
     another process beside decode, which credits decode with likely hits only then."""
     if params.prefix_cache == "off":
         return False
-    if prefix_cache_refusal(ModelConfig.from_pretrained(params.model_path)) is not None:
-        return False
-    eagle = params.spec_enabled and params.draft_path and head_config(params.draft_path)
-    return not eagle
+    return refusal(params, ModelConfig.from_pretrained(params.model_path)) is None
 
 
 def cache_stats(cache: PrefixCache | None) -> dict:
@@ -58,12 +56,12 @@ def cache_stats(cache: PrefixCache | None) -> dict:
 
 
 def stage_cache(
-    params: StageParams, runner: ModelRunner, pool: KVPool, draft, name: str
+    params: StageParams, runner: ModelRunner, pool: KVPool, name: str
 ) -> tuple[PrefixCache | None, KVEventPublisher | None]:
     """(the target pool's cache, its KV event publisher), each None when off."""
     if params.prefix_cache == "off":
         return None, None
-    why = refusal(params, runner, draft)
+    why = refusal(params, runner.config)
     if why is not None:
         if params.prefix_cache == "on":
             raise ValueError(f"prefix_cache=on is not supported for this model: {why}")

@@ -209,9 +209,8 @@ def test_prefilled_sequences_publish_their_prompt(runner):
     assert_accounting(engine, cache)
 
 
-def test_speculative_engine_with_cache(kind, runner):
-    if kind != "llama":
-        pytest.skip("one target is enough here")
+@pytest.mark.parametrize("kind", ["llama"], indirect=True)  # one target is enough here
+def test_speculative_engine_with_cache(runner):
     draft = load_draft(runner, num_layers=2)
     prompts = workload(seed=4)
     want = reference(runner, prompts, 6)

@@ -110,7 +110,7 @@ class DecodeWorker:
         self.pool = make_stage_pool(self.runner, params, name)
         self.draft = load_stage_draft(params, self.runner)  # None: speculative decoding off
         self.pools = pool_entries(self.pool)  # target KV (+ a hybrid's state slots)
-        self.cache, self.kv_events = stage_cache(params, self.runner, self.pool, self.draft, name)
+        self.cache, self.kv_events = stage_cache(params, self.runner, self.pool, name)
         size = (params.max_batch, params.max_context)
         opts = dict(tokenizer=self.tok, prefix_cache=self.cache)
         if self.draft is None:

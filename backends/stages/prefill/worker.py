@@ -95,7 +95,7 @@ class PrefillWorker:
         self.pool: KVPool = make_stage_pool(self.runner, params, name)
         self.draft = load_stage_draft(params, self.runner)  # None: speculative decoding off
         self.draft_pool = make_draft_pool(params, self.draft) if self.draft else None
-        self.cache, self.kv_events = stage_cache(params, self.runner, self.pool, self.draft, name)
+        self.cache, self.kv_events = stage_cache(params, self.runner, self.pool, name)
         self._batch_tokens = min(params.prefill_batch_tokens, params.max_prefill_tokens)
         self._gather_s = params.prefill_gather_ms / 1e3  # see _burst
         cfg = params.transfer_config(instance_index, deployment_identity(params))
