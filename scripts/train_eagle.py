@@ -364,7 +364,7 @@ class Checkpoint:
     def load(self) -> dict | None:
         if not self.path or not os.path.exists(self.path):
             return None
-        state = torch.load(self.path, weights_only=False)
+        state = torch.load(self.path, weights_only=True)
         return state if state.get("key") == self.key else None
 
     def save(self, **state) -> None:
