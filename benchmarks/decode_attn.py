@@ -89,8 +89,9 @@ def main(argv=None) -> int:
         gb = batch * ctx * HKV * DIM * 4 * 2 / 1e9  # K and V bytes one layer reads
         row = {"config": f"{batch}x{ctx}", "ms_per_layer": {}, "gb_s": {}, "runs": times}
         for name, ts in times.items():
-            row["ms_per_layer"][name] = round(statistics.median(ts), 4)
-            row["gb_s"][name] = round(gb / statistics.median(ts) * 1e3, 1)
+            ms = statistics.median(ts)
+            row["ms_per_layer"][name] = round(ms, 4)
+            row["gb_s"][name] = round(gb / ms * 1e3, 1)
         results.append(row)
         print(f"[bench] {json.dumps(row)}", file=sys.stderr, flush=True)
     header = ["config", *(f"{n} ms/layer (GB/s)" for n in roots)]
