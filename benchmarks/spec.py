@@ -119,7 +119,13 @@ def run_once(engine, groups: list[list[list[int]]], max_tokens: int,
     return n / dt, outputs, stats
 
 
-SPEC_KEYS = ("acceptance_rate", "mean_accepted_length", "undrafted_steps", "switched_off")
+SPEC_KEYS = (
+    "acceptance_rate",
+    "mean_accepted_length",
+    "drafts_per_step",
+    "undrafted_steps",
+    "switched_off",
+)
 
 
 def measure(makers: dict, groups, args) -> dict[str, dict]:
@@ -227,13 +233,14 @@ def pd_row(args, target, draft, name: str, texts: list[list[int]]) -> dict:
             "pd_same_tokens_as_colocated": pd["outputs"] == outputs}  # fmt: skip
 
 
-def make_spec(args, target, draft, k: int, adaptive: bool, b: int, texts) -> SpecEngine:
+def make_spec(args, target, draft, k: int, adaptive: bool, b: int, texts,
+              min_confidence: float = StageParams.spec_min_confidence) -> SpecEngine:  # fmt: skip
     """A speculative engine for batches of ``b`` of ``texts``, its policy as decode's with
-    ``spec_adaptive`` = ``adaptive``."""
+    ``spec_adaptive`` = ``adaptive``, its chains cut at ``min_confidence``."""
     pages = b * -(-(max(map(len, texts)) + args.max_tokens) // args.page_size)
     dpool = draft.make_pool(pages, args.page_size, role="draft")
     policy = draft_policy(StageParams(spec_adaptive=adaptive))
-    dspec = DraftSpec(draft, dpool, k, args.spec_max_batch, policy)
+    dspec = DraftSpec(draft, dpool, k, args.spec_max_batch, policy, min_confidence)
     return spec_engine(target, target.make_pool(pages, args.page_size), dspec, max_batch=b)
 
 
@@ -312,6 +319,10 @@ def parse_args(argv=None):
     ap.add_argument("--policy", choices=("adaptive", "always", "both"), default="adaptive",
                     help="adaptive: drafting stops where it does not pay, as decode's"
                     " spec_adaptive; always: every step drafts; both: a row each")  # fmt: skip
+    ap.add_argument("--min-confidence", type=float, nargs="+",
+                    default=[StageParams.spec_min_confidence],
+                    help="a draft chain ends once its drafts' probability product falls under"
+                    " this (decode's spec_min_confidence); several: a row each")  # fmt: skip
     ap.add_argument("--dtype", choices=MODEL_DTYPES, default=StageParams.dtype)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--page-size", type=int, default=StageParams.page_size)
@@ -379,16 +390,18 @@ def measure_set(args, target, drafts: dict, modes: list[bool], name: str, texts)
         def plain(pages=per_seq * b, b=b):
             return LLMEngine(target, target.make_pool(pages, args.page_size), max_batch=b)
 
-        def spec(draft, k, adaptive, b=b):
-            return make_spec(args, target, draft, k, adaptive, b, texts)
+        def spec(draft, k, adaptive, c, b=b):
+            return make_spec(args, target, draft, k, adaptive, b, texts, c)
 
         makers, info = {"target only": plain}, {}
         for dname, draft in drafts.items():
             for k in args.spec_tokens:
                 for adaptive in modes:
-                    config = f"{dname} k={k}" + ("" if adaptive else " always")
-                    makers[config] = lambda d=draft, k=k, a=adaptive: spec(d, k, a)
-                    info[config] = {"k": k, "adaptive": adaptive}
+                    for c in args.min_confidence:
+                        config = f"{dname} k={k}" + ("" if adaptive else " always")
+                        config += f" c={c:g}" if len(args.min_confidence) > 1 else ""
+                        makers[config] = lambda d=draft, k=k, a=adaptive, c=c: spec(d, k, a, c)
+                        info[config] = {"k": k, "adaptive": adaptive, "min_confidence": c}
         results = measure(makers, groups, args)
         base = results["target only"]
         for config, res in results.items():

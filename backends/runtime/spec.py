@@ -5,9 +5,10 @@ holds pages in two pools: the target's and the draft's (each with its own layout
 target and a GQA draft). Each :meth:`~backends.runtime.engine.LLMEngine.step` advances every
 running sequence by one to ``k + 1`` tokens:
 
-1. **propose**: the draft runs ``k`` batched forwards (its first forward also catches up the
-   tokens whose draft KV is missing: the previous step's correction / bonus token, a fully
-   accepted last draft token, or a whole prompt whose draft KV never arrived);
+1. **propose**: the draft runs up to ``k`` batched forwards (its first forward also catches up
+   the tokens whose draft KV is missing: the previous step's correction / bonus token, a fully
+   accepted last draft token, or a whole prompt whose draft KV never arrived); a sequence's
+   chain ends early where the draft is unsure of it (:class:`DraftChain`);
 2. **verify**: one batched target forward over ``[last token, d_1 .. d_k]`` at positions
    ``[n - 1, n + k)`` gives ``k + 1`` distributions;
 3. **accept**: greedy keeps the longest prefix equal to the target's argmax plus the target's
@@ -133,20 +134,25 @@ def check_compatible(target: ModelRunner, draft: ModelRunner) -> None:
 @dataclass(frozen=True)
 class DraftSpec:
     """The draft side of a :class:`SpecEngine`: its runner, its own KV pool, k, the batch size
-    above which a step drafts nothing (verifying one token per sequence; 0: no limit), and the
-    adaptive policy's parameters (None: every sequence drafts whenever it can)."""
+    above which a step drafts nothing (verifying one token per sequence; 0: no limit), the
+    adaptive policy's parameters (None: every sequence drafts whenever it can), and the chain's
+    stopping confidence: a sequence's chain ends early once the product of the draft's
+    probabilities of its drafts so far falls under ``min_confidence`` (0: always k drafts)."""
 
     runner: ModelRunner
     pool: KVPool
     num_spec_tokens: int = 4
     max_batch: int = 0
     policy: AdaptiveDrafting | None = None
+    min_confidence: float = 0.0
 
     def __post_init__(self) -> None:
         for name, low in (("num_spec_tokens", 1), ("max_batch", 0)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+        if not 0.0 <= self.min_confidence < 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1), got {self.min_confidence!r}")
         self.runner._check_pool(self.pool)
 
 
@@ -167,6 +173,11 @@ class SpecStats:
         """Tokens per verify step: accepted drafts + the correction / bonus token."""
         return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
 
+    @property
+    def drafts_per_step(self) -> float:
+        """Drafts proposed per verify step (k, or fewer where chains ended early)."""
+        return self.proposed / self.verify_steps if self.verify_steps else 0.0
+
     def as_dict(self) -> dict:
         return {
             "verify_steps": self.verify_steps,
@@ -174,6 +185,7 @@ class SpecStats:
             "accepted": self.accepted,
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
+            "drafts_per_step": self.drafts_per_step,
             "undrafted_steps": self.undrafted_steps,
             "switched_off": self.switched_off,
         }
@@ -262,6 +274,31 @@ def _emitted_logprobs(
     for i, t in want:
         per[i], at = flat[at : at + len(t)], at + len(t)
     return [per.get(i) for i, _, _ in done]
+
+
+class DraftChain:
+    """One step's draft lengths: ``ks[i]`` for sequence i, cut short where the draft's own
+    confidence runs out: once the product of the draft's probabilities of its drafts so far is
+    under ``min_confidence`` (:class:`DraftSpec`), the chain ends with that draft. The cut reads
+    the draft's side only (its distributions, its draws), so verification stays lossless."""
+
+    def __init__(self, ks: list[int], min_confidence: float):
+        self.ks, self.min_confidence = list(ks), min_confidence
+        self.confidence = [1.0] * len(ks)
+
+    def drafted(self, i: int, seq: Sequence, row: torch.Tensor, drafts: list[int], q: list):
+        """Sequence i proposed ``drafts[-1]`` from the logits ``row`` [V] (sampled: drawn from
+        ``q[-1]``, the distribution the verify's rejection rule uses)."""
+        if not self.min_confidence:
+            return
+        dist = row.float().softmax(-1) if seq.params.greedy else q[-1]
+        self.confidence[i] *= float(dist[drafts[-1]])
+        if self.confidence[i] < self.min_confidence:
+            self.ks[i] = min(self.ks[i], len(drafts))
+
+    def wants(self, i: int, j: int) -> bool:
+        """Whether sequence i drafts a token after its first ``j``."""
+        return self.ks[i] > j
 
 
 # ---- engine ------------------------------------------------------------------------------------
@@ -373,6 +410,7 @@ class SpecEngine(LLMEngine):
         """Draft ks[i] tokens for seqs[i]: (draft tokens, draft distributions) per sequence."""
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        chain = DraftChain(ks, self.draft.min_confidence)
         active = [i for i, k in enumerate(ks) if k > 0]
         inputs = []
         for i in active:  # first forward: every token without draft KV, up to the last one
@@ -388,8 +426,9 @@ class SpecEngine(LLMEngine):
             )
             for i, row in zip(active, rows, strict=True):
                 drafts[i].append(self._propose_one(seqs[i], row[-1], qs[i]))
+                chain.drafted(i, seqs[i], row[-1], drafts[i], qs[i])
             j += 1
-            active = [i for i in active if ks[i] > j]
+            active = [i for i in active if chain.wants(i, j)]
             inputs = []
             for i in active:
                 s = seqs[i]

@@ -27,7 +27,7 @@ import torch
 from .eagle import EagleHead
 from .paged import SeqInput
 from .sequence import Sequence
-from .spec import DraftSpec, SpecEngine, _penalised_rows
+from .spec import DraftChain, DraftSpec, SpecEngine, _penalised_rows
 
 
 class EagleSpecEngine(SpecEngine):
@@ -88,14 +88,16 @@ class EagleSpecEngine(SpecEngine):
             inputs.append(SeqInput(tokens, s.draft_len, s.draft_pages))
             feats.append(s.draft_feats)
             s.draft_len, s.draft_feats = s.draft_len + n, s.draft_feats[:0]
+        chain = DraftChain(ks, self.draft.min_confidence)
         j = 0
         while active:
             logits, outs = self.draft.runner.forward_head(self.draft.pool, inputs, feats)
             rows = _penalised_rows([seqs[i] for i in active], logits, [drafts[i] for i in active])
             for i, row in zip(active, rows, strict=True):
                 drafts[i].append(self._propose_one(seqs[i], row[-1], qs[i]))
+                chain.drafted(i, seqs[i], row[-1], drafts[i], qs[i])
             j += 1
-            keep = [(i, g) for i, g in zip(active, outs, strict=True) if ks[i] > j]
+            keep = [(i, g) for i, g in zip(active, outs, strict=True) if chain.wants(i, j)]
             active = [i for i, _ in keep]
             inputs = [
                 SeqInput([drafts[i][-1]], seqs[i].draft_len + j - 1, seqs[i].draft_pages)

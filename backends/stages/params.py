@@ -245,6 +245,13 @@ class StageParams:
         " server-wide) while drafting does not pay; it probes again now and then and resumes when"
         " it pays (backends/runtime/draft_policy.py; lossless either way); false = always draft",
     )
+    spec_min_confidence: float = _p(
+        0.35,
+        ("decode",),
+        "a sequence's draft chain ends early, before spec_tokens drafts, once the product of the"
+        " draft's probabilities of its drafts falls under this (fewer head calls and verify rows"
+        " where the draft is unsure; lossless); 0 = always spec_tokens drafts",
+    )
     spec_probe_interval: int = _p(
         AdaptiveDrafting.probe_interval,
         ("decode",),
@@ -362,6 +369,8 @@ class StageParams:
             )
         if not 0 < self.prefix_cache_share <= 1:
             raise ValueError("parameter prefix_cache_share must be in (0, 1]")
+        if not 0 <= self.spec_min_confidence < 1:
+            raise ValueError("parameter spec_min_confidence must be in [0, 1) (0 = off)")
         if self.route_timeout_s <= 0 or self.probe_interval_s <= 0:
             raise ValueError("parameters route_timeout_s and probe_interval_s must be > 0")
         self.servers()  # prefill_servers parses

@@ -7,6 +7,7 @@ import copy
 import torch
 
 from backends.runtime.engine import LLMEngine
+from backends.runtime.paged import SeqInput
 from backends.runtime.runner import ModelRunner
 from backends.runtime.sampler import SamplingParams
 from backends.runtime.spec import DraftSpec, SpecEngine
@@ -32,11 +33,28 @@ def spec_engine(
     draft_page_size: int = 4,
     max_batch: int = 16,
     spec_max_batch: int = 0,
+    min_confidence: float = 0.0,
 ) -> SpecEngine:
     dpool = draft.make_pool(pages, draft_page_size, role="draft")
     pool = target.make_pool(pages, page_size)
-    dspec = DraftSpec(draft, dpool, k, spec_max_batch)
+    dspec = DraftSpec(draft, dpool, k, spec_max_batch, min_confidence=min_confidence)
     return SpecEngine(target, pool, dspec, max_batch=max_batch)
+
+
+def add_same_prompt(engine: SpecEngine, prompt: list[int], first: int, params: list):
+    """One prefilled request per ``params`` to a draft-model engine (page i of both pools
+    each), all with ``prompt`` and first token ``first``, as PD hands them over: the target's
+    and the draft's KV of the prompt computed once into page 0 and copied to every page.
+    -> (the target's, the draft's logits after ``first``) [1, V] each."""
+    ids = prompt + [first]
+    [t_logits] = engine.runner.forward(engine.pool, [SeqInput(ids, 0, [0])])
+    [d_logits] = engine.draft.runner.forward(engine.draft.pool, [SeqInput(ids, 0, [0])])
+    engine.pool.tensor[:, :, 1:] = engine.pool.tensor[:, :, :1]
+    engine.draft.pool.tensor[:, :, 1:] = engine.draft.pool.tensor[:, :, :1]
+    pages, dpages = engine.pool.alloc(len(params)), engine.draft.pool.alloc(len(params))
+    for i, sp in enumerate(params):
+        engine.add_prefilled(f"s{i}", prompt, [pages[i]], first, sp, draft_pages=[dpages[i]])
+    return t_logits[-1:], d_logits[-1:]
 
 
 _REFERENCES: dict = {}

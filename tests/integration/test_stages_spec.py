@@ -162,7 +162,10 @@ def test_spec_disaggregated_equals_colocated_and_transformers(case):
             dpool.free(pages)
         assert len(feature) == (len(PROMPTS) if head else 0)
         k = params["spec_tokens"]
-        colo = spec_engine(target, target.make_pool(96, 4), DraftSpec(draft, dpool, k))
+        cut = StageParams(**params).spec_min_confidence  # decode's chains end where it says
+        colo = spec_engine(
+            target, target.make_pool(96, 4), DraftSpec(draft, dpool, k, min_confidence=cut)
+        )
         seqs = colo.generate([(ids, SamplingParams(max_tokens=MAX_TOKENS)) for ids in PROMPTS])
         for i, s in enumerate(seqs):
             d = arrived[str(300 + i)][1]

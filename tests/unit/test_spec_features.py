@@ -14,7 +14,6 @@ from fake_text import ByteTokenizer
 from test_spec_sampling import CHI2_999, _chi2, _tv
 
 from backends.runtime.engine import LLMEngine
-from backends.runtime.paged import SeqInput
 from backends.runtime.sampler import SamplingParams, penalize
 from backends.runtime.spec import DraftSpec, SpecEngine, probs, self_draft
 
@@ -100,13 +99,7 @@ def test_first_speculated_token_follows_penalised_target(llama):
     ]  # fmt: skip
     draft = sm.noisy_draft(llama, 0.5)
     engine = sm.spec_engine(llama, draft, k=2, pages=n, page_size=8, draft_page_size=8, max_batch=n)
-    [t_logits] = llama.forward(engine.pool, [SeqInput(prompt + [first], 0, [0])])
-    [d_logits] = draft.forward(engine.draft.pool, [SeqInput(prompt + [first], 0, [0])])
-    engine.pool.tensor[:, :, 1:] = engine.pool.tensor[:, :, :1]
-    engine.draft.pool.tensor[:, :, 1:] = engine.draft.pool.tensor[:, :, :1]
-    pages, dpages = engine.pool.alloc(n), engine.draft.pool.alloc(n)
-    for i, sp in enumerate(params):
-        engine.add_prefilled(f"s{i}", prompt, [pages[i]], first, sp, draft_pages=[dpages[i]])
+    t_logits, d_logits = sm.add_same_prompt(engine, prompt, first, params)
     engine.step()  # admission: reports `first`
     out = engine.step()  # one speculative step (k clamped to 1)
     counts = torch.bincount(torch.tensor([t[0] for t in out.new_tokens.values()]), minlength=256)

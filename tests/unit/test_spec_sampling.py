@@ -6,7 +6,6 @@ import runtime_models as rm
 import spec_models as sm
 import torch
 
-from backends.runtime.paged import SeqInput
 from backends.runtime.sampler import SamplingParams
 from backends.runtime.spec import accept_sampled, probs
 
@@ -71,14 +70,7 @@ def test_engine_first_speculated_token_follows_target(llama):
         llama, draft, k=2, pages=1500, page_size=8, draft_page_size=8, max_batch=1500
     )
     # prompt KV once per pool, then the same bytes into every request's page (page i)
-    [t_logits] = llama.forward(engine.pool, [SeqInput(prompt + [first], 0, [0])])
-    [d_logits] = draft.forward(engine.draft.pool, [SeqInput(prompt + [first], 0, [0])])
-    engine.pool.tensor[:, :, 1:] = engine.pool.tensor[:, :, :1]
-    engine.draft.pool.tensor[:, :, 1:] = engine.draft.pool.tensor[:, :, :1]
-    pages = engine.pool.alloc(1500)
-    dpages = engine.draft.pool.alloc(1500)
-    for i, sp in enumerate(params):
-        engine.add_prefilled(f"s{i}", prompt, [pages[i]], first, sp, draft_pages=[dpages[i]])
+    t_logits, d_logits = sm.add_same_prompt(engine, prompt, first, params)
     engine.step()  # admission: reports `first`
     out = engine.step()  # one speculative step (k clamped to 1 by max_tokens = 3)
     counts = torch.bincount(torch.tensor([t[0] for t in out.new_tokens.values()]), minlength=256)

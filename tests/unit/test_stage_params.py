@@ -52,6 +52,7 @@ def test_parse_converts_and_builds_policy_and_transfer_config():
         ({"max_tokens_limit": "4096", "max_context": "2048"}, ["max_tokens_limit", "max_context"]),
         ({"shared_secret": "short"}, ["shared_secret", "16"]),
         ({"bootstrap_timeout_s": "-1"}, ["bootstrap_timeout_s"]),
+        ({"spec_min_confidence": "1"}, ["spec_min_confidence", "[0, 1)"]),
         ({"pagesize": "16"}, ["unknown parameter", "pagesize"]),
     ],
 )
