@@ -62,7 +62,8 @@ def colocated_stats(model_dir: str, spec: dict, prompts: list[list[int]]) -> dic
     params = StageParams(model_dir=model_dir, num_pages=64, page_size=4, **spec)
     target = load_runner(params.model_path)
     draft = load_stage_draft(params, target)
-    dspec = DraftSpec(draft, make_draft_pool(params, draft), params.spec_tokens)
+    dspec = DraftSpec(draft, make_draft_pool(params, draft), params.spec_tokens,
+                      min_confidence=params.spec_min_confidence)  # fmt: skip
     engine = spec_engine(target, target.make_pool(64, 4), dspec, max_batch=1)
     engine.generate([(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts])
     st = engine.stats

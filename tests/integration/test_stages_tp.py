@@ -58,10 +58,13 @@ def colocated_spec(target: str, draft: str, prompts) -> tuple[int, int]:
     """(proposed, accepted) of one-rank colocated speculative decoding on ``prompts``."""
     from backends.runtime.loader import load_runner
     from backends.runtime.spec import DraftSpec, SpecEngine, load_draft
+    from backends.stages.params import StageParams
 
     t = load_runner(target)
     d = load_draft(t, path=draft)
-    engine = SpecEngine(t, t.make_pool(64, 4), DraftSpec(d, d.make_pool(64, 4, "draft"), 3))
+    cut = StageParams.spec_min_confidence  # decode's default: its chains end where it says
+    dspec = DraftSpec(d, d.make_pool(64, 4, "draft"), 3, min_confidence=cut)
+    engine = SpecEngine(t, t.make_pool(64, 4), dspec)
     engine.generate([(p, SamplingParams(max_tokens=16)) for p in prompts])
     return engine.stats.proposed, engine.stats.accepted
 
