@@ -15,7 +15,7 @@ from test_spec_sampling import CHI2_999, _chi2, _tv
 
 from backends.runtime.paged import SeqInput
 from backends.runtime.sampler import SamplingParams
-from backends.runtime.sequence import FinishReason
+from backends.runtime.sequence import FinishReason, Sequence
 from backends.runtime.spec import DraftChain, DraftSpec, load_draft, probs, self_draft
 from backends.runtime.spec_eagle import spec_engine
 
@@ -47,9 +47,7 @@ def test_chain_ends_with_the_draft_that_takes_the_product_under_the_threshold():
     assert off.wants(0, 2) and not off.wants(0, 3)
 
 
-def _seq(params: SamplingParams):
-    from backends.runtime.sequence import Sequence
-
+def _seq(params: SamplingParams) -> Sequence:
     return Sequence("s", [1, 2], params)
 
 
