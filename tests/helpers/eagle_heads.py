@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 
 import torch
@@ -9,7 +11,13 @@ import torch
 from backends.runtime.config import ModelConfig
 from backends.runtime.eagle import head_checkpoint_config, save_head
 
-_HEADS: dict = {}
+_HEADS: dict = {}  # key -> head directory, removed when this process exits
+
+
+def _head_dir(prefix: str) -> str:
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def random_head(target_ckpt: str, draft_vocab: int | None = None, seed: int = 0) -> str:
@@ -40,7 +48,7 @@ def random_head(target_ckpt: str, draft_vocab: int | None = None, seed: int = 0)
     if draft_vocab:
         t["lm_head.weight"] = w(draft_vocab, H, scale=1.0)
         t["draft_to_target"] = torch.arange(3, 3 + 2 * draft_vocab, 2)
-    path = tempfile.mkdtemp(prefix="eagle_head_")
+    path = _head_dir("eagle_head_")
     save_head(path, head_checkpoint_config(cfg, heads, kv, hd, inter, draft_vocab), t)
     _HEADS[key] = path
     return path
@@ -53,7 +61,7 @@ def trained_head(target_ckpt: str, draft_vocab: int = 96) -> str:
 
     key = ("trained", target_ckpt, draft_vocab)
     if key not in _HEADS:
-        path = tempfile.mkdtemp(prefix="eagle_trained_")
+        path = _head_dir("eagle_trained_")
         te.main(["--target", target_ckpt, "--out", path, "--prompts", "48", "--eval-prompts",
                  "8", "--max-tokens", "16", "--draft-vocab", str(draft_vocab), "--heads", "4",
                  "--kv-heads", "2", "--head-dim", "16", "--intermediate", "96", "--epochs", "8",

@@ -1,6 +1,6 @@
 """The soak's verdict on error messages: every message the stages send for a failed transfer
 counts as clear (a CI soak failed on the first-token form), and a message without a cause does
-not."""
+not; the request after the run is sent again only when a fault was injected into it."""
 
 from benchmarks.soak import classify
 
@@ -84,3 +84,24 @@ def test_shared_prefixes_start_every_prompt_and_leave_the_default_plan_alone():
         assert {**a, "ids": None} == {**b, "ids": None}
     assert len({tuple(r["ids"][:50]) for r in shared}) > 1  # more than one prefix in use
     assert shared_prefixes(0, 4) == []
+
+
+def test_the_probe_after_the_run_is_resent_only_after_an_injected_transfer_fault():
+    """The faults stay injected after the run (5 % of rooms), so a probe that got one is sent
+    again (a full suite failed on it); any other error or a wrong output fails at once."""
+    from benchmarks.soak import Outcome, probe_after
+
+    req = {"i": -1, "ids": [5], "max_tokens": 2}
+    fault = Outcome(req, "error", [], "KV transfer failed: prefill x: injected fault", 0.1)
+    died = Outcome(req, "error", [], "Stub process 'prefill_0_0' is not healthy.", 0.1)
+    ok, wrong = Outcome(req, "ok", [7, 8], "", 0.1), Outcome(req, "ok", [7, 9], "", 0.1)
+
+    def run(*outcomes):
+        it = iter(outcomes)
+        return probe_after(lambda r, t: next(it), req, 5.0, lambda o: o.ids == [7, 8])
+
+    assert run(ok) == {"ok": True, "attempts": ["ok"]}
+    assert run(fault, ok)["ok"] and len(run(fault, fault, ok)["attempts"]) == 3
+    assert not run(fault, fault, fault, ok)["ok"]  # three attempts at most
+    assert run(died, ok) == {"ok": False, "attempts": [f"error: {died.error}"]}
+    assert not run(fault, wrong)["ok"]
