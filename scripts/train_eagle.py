@@ -14,10 +14,11 @@ the real pairs' KV and its own chain's, as the served chain does (a test checks 
 same). Anchors are the response positions and the last ``--prompt-anchors`` prompt positions;
 the other prompt positions only give the KV the anchors attend to (their queries, MLP and LM
 head are not computed). Loss: cross-entropy of each step's token (``x_{i+2+s}``, the target's
-own), prompt targets weighted ``--prompt-weight``, + ``--feature-weight`` x smooth-L1 of step
-0's ``g_i`` against ``f_{i+1}``. Input features get Gaussian noise (``--noise``). The decoder
-layer is transformers' Llama layer with the chain's attention spelled out, the same math the
-runtime runs (checked by a test).
+own; with ``--soft-labels`` W, W of the label is the target's own distribution of that token,
+its LM head on ``f_{i+1+s}``, as EAGLE trains), prompt targets weighted ``--prompt-weight``, +
+``--feature-weight`` x smooth-L1 of step 0's ``g_i`` against ``f_{i+1}``. Input features get
+Gaussian noise (``--noise``). The decoder layer is transformers' Llama layer with the chain's
+attention spelled out, the same math the runtime runs (checked by a test).
 
     .venv/bin/python scripts/train_eagle.py --out models/smollm2-135m-instruct-eagle
 
@@ -95,6 +96,7 @@ class HeadModule(torch.nn.Module):
         self.lm_head = torch.nn.Linear(H, len(vocab_ids), bias=False)
         with torch.no_grad():
             self.lm_head.weight.copy_(head[vocab_ids])
+        self.teacher = head[vocab_ids]  # frozen: the target's logits of a feature (soft labels)
 
     def _step(self, h: torch.Tensor, s: int, cache: list, idx: torch.Tensor) -> torch.Tensor:
         """The decoder layer at chain step ``s`` for the anchors ``idx`` [B, A] at once (anchor
@@ -161,7 +163,7 @@ class Batch(NamedTuple):
     tok: torch.Tensor  # [steps - 1, B, A] x_{i+1+s} of chain steps 1..
     tgt: torch.Tensor  # [steps, B, A] x_{i+2+s} in draft ids, -100 where none
     resp: torch.Tensor  # [steps, B, A] whether that target is a response token
-    nxt: torch.Tensor  # [B, A, H] f_{i+1}
+    nxt: torch.Tensor  # [steps, B, A, H] f_{i+1+s}: the target's distribution of x_{i+2+s}
 
 
 def make_batch(items, vocab_map: torch.Tensor, noise: float, steps: int = 1,
@@ -178,34 +180,42 @@ def make_batch(items, vocab_map: torch.Tensor, noise: float, steps: int = 1,
     tok = torch.zeros(max(steps - 1, 0), B, A, dtype=torch.long)
     tgt = torch.full((steps, B, A), -100, dtype=torch.long)
     resp = torch.zeros(steps, B, A, dtype=torch.bool)
-    nxt = torch.zeros(B, A, H)
+    nxt = torch.zeros(steps, B, A, H)
     for b, ((t, f, plen), n, first) in enumerate(zip(items, ns, firsts, strict=True)):
         m, f = n - first, f.float()
         tok0[b, :n], feat[b, :n] = t[1 : n + 1], f[:n]
         i = torch.arange(first, n)
         idx[b, :m], idx[b, m:] = i, n - 1
-        nxt[b, :m] = f[first + 1 : n + 1]
         for s in range(min(steps, m)):
             j = i[: m - s]
             if s:
                 tok[s - 1, b, : m - s] = t[j + 1 + s]
             tgt[s, b, : m - s] = vocab_map[t[j + 2 + s]]
+            nxt[s, b, : m - s] = f[j + 1 + s]
             resp[s, b, : m - s] = j + 2 + s >= plen
     if noise:
         feat = feat + noise * torch.randn_like(feat)
     return Batch(tok0, feat, idx, tok, tgt, resp, nxt)
 
 
-def losses(model, batch: Batch, feature_weight: float, prompt_weight: float = 1.0):
+def losses(model, batch: Batch, feature_weight: float, prompt_weight: float = 1.0,
+           soft: float = 0.0):  # fmt: skip
     """Cross-entropy summed over the chain steps + the step-0 feature regression, each target
-    weighted 1 if a response token (what serving drafts), else ``prompt_weight``. -> (loss,
-    per step (correct response targets, response targets))."""
+    weighted 1 if a response token (what serving drafts), else ``prompt_weight``. A step's
+    labels are ``soft`` x the target's own distribution of the token (its LM head on the real
+    feature, restricted to the draft vocabulary: EAGLE's soft labels) + (1 - ``soft``) x the
+    token itself. -> (loss, per step (correct response targets, response targets))."""
     out = model.chain([batch.tok0, *batch.tok], batch.feat, batch.idx)
     wt = torch.where(batch.resp, 1.0, prompt_weight) * (batch.tgt >= 0)
-    reg = F.smooth_l1_loss(out[0][1], batch.nxt, reduction="none").mean(-1)
+    reg = F.smooth_l1_loss(out[0][1], batch.nxt[0], reduction="none").mean(-1)
     loss, hits = feature_weight * (reg * wt[0]).sum() / wt[0].sum().clamp(min=1e-6), []
-    for (logits, _), y, w, r in zip(out, batch.tgt, wt, batch.resp, strict=True):
+    for (logits, _), y, w, r, f in zip(out, batch.tgt, wt, batch.resp, batch.nxt, strict=True):
         ce = F.cross_entropy(logits.flatten(0, 1), y.flatten().clamp(min=0), reduction="none")
+        if soft:
+            with torch.no_grad():
+                p = (f.float() @ model.teacher.T).softmax(-1).flatten(0, 1)
+            kl = -(p * logits.float().log_softmax(-1).flatten(0, 1)).sum(-1)
+            ce = soft * kl + (1 - soft) * ce
         loss = loss + (ce * w.flatten()).sum() / w.sum().clamp(min=1e-6)
         r = r & (y >= 0)
         hits.append((int(((logits.argmax(-1) == y) & r).sum()), int(r.sum())))
@@ -326,6 +336,9 @@ def parse_args(argv=None):
     ap.add_argument("--feature-weight", type=float, default=1.0)
     ap.add_argument("--prompt-weight", type=float, default=0.2,
                     help="loss weight of prompt targets (response targets weigh 1)")  # fmt: skip
+    ap.add_argument("--soft-labels", type=float, default=0.0,
+                    help="weight of the target's own distribution in each label (0: the token"
+                    " only; 1: the distribution only, as EAGLE trains)")  # fmt: skip
     ap.add_argument("--prompt-anchors", type=int, default=16,
                     help="prompt positions before the response trained as anchors")  # fmt: skip
     chain = "drafting steps trained as served (the head reads its own output)"
@@ -418,7 +431,8 @@ def train(model, train_items, vocab_map, args, ckpt: Checkpoint) -> dict:
             for g in opt.param_groups:
                 g["lr"] = lr_at(state["step"], state["total"], args.lr)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss, hit = losses(model, batch, args.feature_weight, args.prompt_weight)
+                loss, hit = losses(model, batch, args.feature_weight, args.prompt_weight,
+                                   args.soft_labels)  # fmt: skip
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -475,8 +489,8 @@ def main(argv=None) -> None:
     model = HeadModule(target, args, vocab_ids)
     keys = ("target", "prompts", "magpie", "templates", "package", "multi_turn", "max_tokens",
             "draft_vocab", "heads", "kv_heads", "head_dim", "intermediate", "epochs", "batch",
-            "lr", "noise", "feature_weight", "prompt_weight", "prompt_anchors", "chain",
-            "precision", "seed")  # fmt: skip
+            "lr", "noise", "feature_weight", "prompt_weight", "soft_labels", "prompt_anchors",
+            "chain", "precision", "seed")  # fmt: skip
     ckpt = Checkpoint(args.work, {k: getattr(args, k) for k in keys} | {
         "items": len(train_items), "vocab": vocab_ids.tolist()[:16] + [D]})  # fmt: skip
     result = train(model, train_items, vocab_map, args, ckpt)

@@ -13,6 +13,7 @@ import pytest
 import runtime_models as rm
 import spec_models as sm
 import torch
+import torch.nn.functional as F
 
 from backends.runtime.loader import load_runner
 from backends.runtime.paged import SeqInput
@@ -62,7 +63,8 @@ def test_anchors_compute_what_the_full_chain_computes_at_them(llama):
 def test_make_batch_anchors_targets_and_features():
     """One item (prompt of 6, response of 4): its anchors start ``prompt_anchors`` before the
     response, each chain step's input and target tokens shift by one, targets past the end
-    are -100, and the regression target is the next position's feature."""
+    are -100, and the regression target is the next position's feature (each step's: its soft
+    labels' feature)."""
     te = _te()
     t = torch.arange(10, 20)  # tokens x_0..x_9; prompt x_0..x_5
     f = torch.arange(9.0)[:, None].expand(9, 3)  # f_i = i
@@ -75,9 +77,42 @@ def test_make_batch_anchors_targets_and_features():
     assert b.tgt[2, 0].tolist() == [17, 18, 19, -100, -100]  # x_{i+4}
     assert b.tok[1, 0, :3].tolist() == [16, 17, 18]  # x_{i+3}, step 2's input
     assert b.resp[0, 0].tolist() == [False, True, True, True, True]  # x_5 is the prompt's
-    assert b.nxt[0, :, 0].tolist() == [4, 5, 6, 7, 8]
+    assert b.nxt[0, 0, :, 0].tolist() == [4, 5, 6, 7, 8]  # f_{i+1}
+    assert b.nxt[2, 0, :3, 0].tolist() == [6, 7, 8]  # f_{i+3}: x_{i+4}'s distribution
     full = te.make_batch([(t, f, 6)], vocab, 0.0, steps=1)
     assert full.idx[0].tolist() == list(range(8))
+
+
+def test_soft_labels_are_the_targets_own_distribution_of_each_chain_steps_token(llama):
+    """--soft-labels 1: each chain step's label is what the target's LM head gives the real
+    feature before that token (f_{i+1+s} for x_{i+2+s}), over the draft vocabulary; 0.5
+    mixes it half and half with the token's own label."""
+    te, module = _module(llama)
+    ids = torch.arange(3, 131)
+    vocab = torch.full((llama.config.vocab_size,), -100, dtype=torch.long)
+    vocab[ids] = torch.arange(len(ids))
+    g = torch.Generator().manual_seed(1)
+    t = ids[torch.randint(len(ids), (12,), generator=g)]
+    f = torch.randn(11, llama.config.hidden_size, generator=g)
+    b = te.make_batch([(t, f, 4)], vocab, 0.0, steps=3, prompt_anchors=0)
+    with torch.no_grad():
+        out = module.chain([b.tok0, *b.tok], b.feat, b.idx)
+        head = llama.model.lm_head.detach().float()[ids]  # the target's rows, not the draft's
+
+        def soft_ce(s: int) -> torch.Tensor:  # response anchors only (prompt_weight 0)
+            keep = b.resp[s, 0]
+            want = (f[b.idx[0][keep] + 1 + s] @ head.T).softmax(-1)
+            return F.cross_entropy(out[s][0][0, keep], want)
+
+        def hard_ce(s: int) -> torch.Tensor:
+            keep = b.resp[s, 0]
+            return F.cross_entropy(out[s][0][0, keep], b.tgt[s, 0, keep])
+
+        soft, _ = te.losses(module, b, 0.0, 0.0, soft=1.0)
+        half, _ = te.losses(module, b, 0.0, 0.0, soft=0.5)
+    torch.testing.assert_close(soft, sum(soft_ce(s) for s in range(3)))
+    mixed = sum(0.5 * soft_ce(s) + 0.5 * hard_ce(s) for s in range(3))
+    torch.testing.assert_close(half, mixed)
 
 
 def test_one_pass_responses_and_features_are_the_engines_and_a_forward(llama):
