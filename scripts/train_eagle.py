@@ -211,11 +211,11 @@ def losses(model, batch: Batch, feature_weight: float, prompt_weight: float = 1.
     loss, hits = feature_weight * (reg * wt[0]).sum() / wt[0].sum().clamp(min=1e-6), []
     for (logits, _), y, w, r, f in zip(out, batch.tgt, wt, batch.resp, batch.nxt, strict=True):
         ce = F.cross_entropy(logits.flatten(0, 1), y.flatten().clamp(min=0), reduction="none")
-        if soft:
+        if soft:  # cross-entropy against the target's distribution (probability targets)
             with torch.no_grad():
                 p = (f.float() @ model.teacher.T).softmax(-1).flatten(0, 1)
-            kl = -(p * logits.float().log_softmax(-1).flatten(0, 1)).sum(-1)
-            ce = soft * kl + (1 - soft) * ce
+            soft_ce = F.cross_entropy(logits.float().flatten(0, 1), p, reduction="none")
+            ce = soft * soft_ce + (1 - soft) * ce
         loss = loss + (ce * w.flatten()).sum() / w.sum().clamp(min=1e-6)
         r = r & (y >= 0)
         hits.append((int(((logits.argmax(-1) == y) & r).sum()), int(r.sum())))
