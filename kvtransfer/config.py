@@ -32,8 +32,9 @@ class TransferConfig:
     max_batch_entries: copies per Mooncake batch (chunks bigger sends).
     max_inflight_entries: copies in flight per engine, all workers together.
     heartbeat_interval_s / heartbeat_misses: decode pings each prefill peer it waits on; a peer
-        silent for interval * misses is declared lost and its rooms fail (their pages stay
-        quarantined until the peer is proven gone or confirms its writes drained).
+        silent for interval * misses, with ``misses`` pings unanswered, is declared lost and its
+        rooms fail (their pages stay quarantined until the peer is proven gone or confirms its
+        writes drained). A decode stalled itself sends no pings, so its stall is not the peer's.
     tombstones: how many ended rooms are remembered to drop late/duplicate messages.
     queue_timeout_s: how long a request may wait in a queue before anything was computed for
         it (prefill: for decode's registration; decode: for prefill's compute after the claim,

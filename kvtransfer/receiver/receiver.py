@@ -7,6 +7,9 @@ finally sends Complete with the aux data. Failure detection: no claim within
 ``bootstrap_timeout_s``; no completion within ``queue_timeout_s + transfer_timeout_s`` after the
 claim (prefill computes a registered room when its turn comes); the claiming peer silent for
 ``heartbeat_timeout_s`` (pings every ``heartbeat_interval_s``); or a Fail from prefill.
+Silence is counted in pings that went out unanswered, not in time alone: when this side's own
+loop stalls (a loaded host, a long call holding the GIL), it sent no pings, so the peer had
+nothing to answer and is not blamed for it.
 
 Quarantine (write fence): when a room ends Failed while a prefill may still write into its
 pages, ``on_release`` (which lets the caller reuse the pages) waits until each such prefill has
@@ -44,12 +47,23 @@ _EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 class _Peer:
     """One prefill bootstrap endpoint: a DEALER socket plus its connection state."""
 
-    __slots__ = ("addr", "sock", "mon", "last_rx", "last_ping", "seq", "connected", "epoch")
+    __slots__ = (
+        "addr",
+        "sock",
+        "mon",
+        "last_rx",
+        "last_ping",
+        "unanswered",
+        "seq",
+        "connected",
+        "epoch",
+    )
 
     def __init__(self, addr: str, sock: zmq.Socket, mon: zmq.Socket):
         self.addr, self.sock, self.mon = addr, sock, mon
         self.last_rx = time.monotonic()
         self.last_ping = 0.0
+        self.unanswered = 0  # pings sent since the peer's last message
         self.seq = 0
         self.connected = False
         self.epoch = 0  # connections made so far; a disconnect after a Register proves its
@@ -288,7 +302,7 @@ class KVReceiver(ControlLoop):
         msg = self._decode_or_hint(peer, frames[0].bytes)
         if msg is None:
             return
-        peer.last_rx = time.monotonic()
+        peer.last_rx, peer.unanswered = time.monotonic(), 0
         if isinstance(msg, m.Pong):
             return
         room = getattr(msg, "room", None)
@@ -410,7 +424,7 @@ class KVReceiver(ControlLoop):
         event = parse_monitor_message(frames)["event"]
         if event == zmq.EVENT_CONNECTED:
             peer.connected, peer.epoch = True, peer.epoch + 1
-            peer.last_rx = time.monotonic()
+            peer.last_rx, peer.unanswered = time.monotonic(), 0
         elif event == zmq.EVENT_DISCONNECTED:
             peer.connected = False
             for r in [x for x in self.rooms.live.values() if x.status.ended and x.quarantine]:
@@ -450,8 +464,18 @@ class KVReceiver(ControlLoop):
         for addr in active:
             p = self._peers[addr]
             if now - p.last_ping >= self.config.heartbeat_interval_s:
-                p.last_ping, p.seq = now, p.seq + 1
+                p.last_ping, p.seq, p.unanswered = now, p.seq + 1, p.unanswered + 1
                 self.send(p.sock, m.Ping(p.seq))
+
+    def _lost(self, peer: _Peer, now: float) -> bool:
+        """Silent for ``heartbeat_timeout_s`` while ``heartbeat_misses`` pings, the last one a
+        full interval ago, went unanswered."""
+        cfg = self.config
+        return (
+            now - peer.last_rx > cfg.heartbeat_timeout_s
+            and peer.unanswered >= cfg.heartbeat_misses
+            and now - peer.last_ping >= cfg.heartbeat_interval_s
+        )
 
     def _tick_room(self, r: ReceiverRoom, now: float, active: set[str]) -> None:
         cfg, claimed = self.config, r.claimed_by
@@ -466,10 +490,9 @@ class KVReceiver(ControlLoop):
             return
         if claimed is not None:
             peer = self._peers[claimed]
-            if now - peer.last_rx > cfg.heartbeat_timeout_s:
-                silent = now - peer.last_rx
-                self._fail(
-                    r.room, f"prefill peer lost: {claimed} silent for {silent:.1f}s", "peer lost"
-                )
+            if self._lost(peer, now):
+                silent, n = now - peer.last_rx, peer.unanswered
+                why = f"prefill peer lost: {claimed} silent for {silent:.1f}s, {n} pings unanswered"
+                self._fail(r.room, why, "peer lost")
                 return
             active.add(claimed)

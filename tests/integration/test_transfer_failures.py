@@ -133,6 +133,23 @@ def test_prefill_killed_mid_transfer(spawn):
     assert decode.released_counts() == {"1": 1, "2": 1}
 
 
+def test_decode_stalled_longer_than_the_heartbeat_limit_does_not_blame_prefill(spawn):
+    """Decode's own process is not scheduled for twice the liveness limit (a loaded host; in the
+    full suite a stall like this failed rooms with "prefill peer lost"). Decode sent no pings
+    while stalled, so prefill owed no answers: the room goes on and succeeds. A prefill that
+    stops answering (test_prefill_killed_mid_transfer, the SIGSTOP tests) is still lost."""
+    prefill, decode, free0 = mid_transfer(spawn)  # liveness limit: 5 pings 0.2 s apart
+    os.kill(decode.proc.pid, signal.SIGSTOP)
+    time.sleep(2.0)
+    os.kill(decode.proc.pid, signal.SIGCONT)
+    assert tuple(decode.wait(1, 30)) == ("Success", "")
+    assert tuple(prefill.wait(1, 30)) == ("Success", "")
+    for role in ("target", "draft"):
+        assert decode.digest(1, role, 6) == prefill.digest(1, role, 6)
+    decode.free_room(1)
+    assert decode.free_counts() == free0
+
+
 def test_incompatible_layout_at_handshake(spawn):
     prefill = spawn("prefill", ENTRIES)
     decode = spawn("decode", {"target": ENTRIES["target"], "draft": ("draft_gqa_wide", 16, 64)})
