@@ -125,6 +125,7 @@ SPEC_KEYS = (
     "drafts_per_step",
     "undrafted_steps",
     "switched_off",
+    "branch_kept",
 )
 
 
@@ -161,7 +162,8 @@ def batches_of(texts: list[list[int]], b: int) -> list[list[list[int]]]:
 
 def pd_spec_stats(model: str, draft: str, k: int, groups: list[list[list[int]]],
                   max_tokens: int, page_size: int, ignore_eos: bool = False,
-                  adaptive: bool = True, max_batch: int = 0) -> dict:  # fmt: skip
+                  adaptive: bool = True, max_batch: int = 0,
+                  branches: int = 1) -> dict:  # fmt: skip
     """Speculative decoding through PD: a prefill stage in its own process and a decode stage in
     this one, real Mooncake over loopback, the same prompts as the colocated runs, each group
     at once and the groups one after the other (as colocated), greedy; -> the decode stage's
@@ -178,6 +180,7 @@ def pd_spec_stats(model: str, draft: str, k: int, groups: list[list[list[int]]],
     params = dict(model_dir=model, page_size=page_size, num_pages=per * b + 8,
                   spec_enabled=True, draft_model_dir=draft, spec_tokens=k,
                   spec_max_batch=max_batch, spec_adaptive=adaptive, max_batch=b,
+                  spec_branches=branches,
                   bootstrap_timeout_s=60.0, max_context=min(limit, 2048),
                   max_tokens_limit=min(limit, 2048) - 1)  # fmt: skip
     prefill = PrefillProcess(**params)
@@ -220,10 +223,12 @@ def pd_row(args, target, draft, name: str, texts: list[list[int]]) -> dict:
     state arrived whole."""
     b, k = max(args.batches), max(args.spec_tokens)
     groups = batches_of(texts, b)
-    colo_engine = make_spec(args, target, draft, k, False, b, texts)
+    w = max(args.branches)
+    colo_engine = make_spec(args, target, draft, k, False, b, texts, branches=w)
     _, outputs, colo = run_once(colo_engine, groups, args.max_tokens, args.ignore_eos)
     pd = pd_spec_stats(args.model, args.draft, k, groups, args.max_tokens, args.page_size,
-                       args.ignore_eos, False, args.spec_max_batch)  # fmt: skip
+                       args.ignore_eos, False, args.spec_max_batch,
+                       max(args.branches))  # fmt: skip
     log(f"{name} PD batch {b} k={k}: acceptance {pd['acceptance_rate']:.3f}"
         f" (colocated {colo['acceptance_rate']:.3f})")  # fmt: skip
     return {"acceptance_pd": pd["acceptance_rate"], "acceptance_colocated": colo["acceptance_rate"],
@@ -234,13 +239,16 @@ def pd_row(args, target, draft, name: str, texts: list[list[int]]) -> dict:
 
 
 def make_spec(args, target, draft, k: int, adaptive: bool, b: int, texts,
-              min_confidence: float = StageParams.spec_min_confidence) -> SpecEngine:  # fmt: skip
+              min_confidence: float = StageParams.spec_min_confidence,
+              branches: int = StageParams.spec_branches) -> SpecEngine:  # fmt: skip
     """A speculative engine for batches of ``b`` of ``texts``, its policy as decode's with
-    ``spec_adaptive`` = ``adaptive``, its chains cut at ``min_confidence``."""
+    ``spec_adaptive`` = ``adaptive``, its chains cut at ``min_confidence``, ``branches``
+    chains per sequence."""
     pages = b * -(-(max(map(len, texts)) + args.max_tokens) // args.page_size)
+    pages += b * (branches - 1) * (-(-(k + 1) // args.page_size) + 1)  # the chains' own tails
     dpool = draft.make_pool(pages, args.page_size, role="draft")
     policy = draft_policy(StageParams(spec_adaptive=adaptive))
-    dspec = DraftSpec(draft, dpool, k, args.spec_max_batch, policy, min_confidence)
+    dspec = DraftSpec(draft, dpool, k, args.spec_max_batch, policy, min_confidence, branches)
     return spec_engine(target, target.make_pool(pages, args.page_size), dspec, max_batch=b)
 
 
@@ -323,6 +331,9 @@ def parse_args(argv=None):
                     default=[StageParams.spec_min_confidence],
                     help="a draft chain ends once its drafts' probability product falls under"
                     " this (decode's spec_min_confidence); several: a row each")  # fmt: skip
+    ap.add_argument("--branches", type=int, nargs="+", default=[StageParams.spec_branches],
+                    help="chains per sequence (decode's spec_branches; EAGLE heads); several:"
+                    " a row each")  # fmt: skip
     ap.add_argument("--dtype", choices=MODEL_DTYPES, default=StageParams.dtype)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--page-size", type=int, default=StageParams.page_size)
@@ -390,8 +401,8 @@ def measure_set(args, target, drafts: dict, modes: list[bool], name: str, texts)
         def plain(pages=per_seq * b, b=b):
             return LLMEngine(target, target.make_pool(pages, args.page_size), max_batch=b)
 
-        def spec(draft, k, adaptive, c, b=b):
-            return make_spec(args, target, draft, k, adaptive, b, texts, c)
+        def spec(draft, k, adaptive, c, w, b=b):
+            return make_spec(args, target, draft, k, adaptive, b, texts, c, w)
 
         makers, info = {"target only": plain}, {}
         for dname, draft in drafts.items():
@@ -400,8 +411,12 @@ def measure_set(args, target, drafts: dict, modes: list[bool], name: str, texts)
                     for c in args.min_confidence:
                         config = f"{dname} k={k}" + ("" if adaptive else " always")
                         config += f" c={c:g}" if len(args.min_confidence) > 1 else ""
-                        makers[config] = lambda d=draft, k=k, a=adaptive, c=c: spec(d, k, a, c)
-                        info[config] = {"k": k, "adaptive": adaptive, "min_confidence": c}
+                        for w in args.branches:
+                            name_w = config + (f" w={w}" if len(args.branches) > 1 else "")
+                            makers[name_w] = (lambda d=draft, k=k, a=adaptive, c=c, w=w:
+                                              spec(d, k, a, c, w))  # fmt: skip
+                            info[name_w] = {"k": k, "adaptive": adaptive, "min_confidence": c,
+                                            "branches": w}  # fmt: skip
         results = measure(makers, groups, args)
         base = results["target only"]
         for config, res in results.items():

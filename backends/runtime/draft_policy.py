@@ -27,7 +27,11 @@ long (up to ``max_backoff``). The **server** stops too: a new sequence starts un
 probe due after ``probe_interval`` x the server's backoff) while the server's mean is under
 ``r``; the server's backoff doubles with every failed probe and resets at a passed one, so a
 useless head costs a probe now and then while prompts that do pay are found within a few
-sequences' probes.
+sequences' probes. Probes also run on the server's clock: once ``probe_interval`` x the
+server's backoff steps held a sequence undrafted since the last probe began, the first sequence
+that is off in the next step probes, however few steps of its own it had. Requests shorter
+than their own probe interval (chat turns of a few dozen tokens) would otherwise never probe:
+a server switched off during a slow moment would stay off for good.
 
 Lossless whatever it decides: a step's k comes from the past only (acceptance, timings) and is
 fixed before the step's draws, and k = 0 is the target's own step; greedy output is the same
@@ -128,6 +132,7 @@ class DraftPolicy:
         self.buckets: dict[int, _Bucket] = {}
         self.stats = PolicyStats()
         self._ratio: float | None = None  # r of the step being planned
+        self.server_idle = 0  # steps that held a sequence undrafted since the last probe began
 
     # ---- costs ---------------------------------------------------------------------------------
     @staticmethod
@@ -234,14 +239,18 @@ class DraftPolicy:
                     s.on, s.probe_at = False, 1 + cfg.probe_interval * s.backoff
                     self.stats.switched_off += 1
             s.steps += 1
+            was_on = s.on
             if s.on and not s.probing and s.seen >= 2 and not self._pays(sid, r):
                 s.on, s.probe_at = False, s.steps + cfg.probe_interval * s.backoff
                 self.stats.switched_off += 1
-            if not s.on and s.steps >= s.probe_at:  # probe: measure afresh
+            server_due = self.server_idle >= cfg.probe_interval * self.server_backoff
+            if not s.on and (s.steps >= s.probe_at or (server_due and not was_on)):  # probe
                 s.on, s.probing = True, cfg.probe_steps
                 s.accept, s.seen = Mean(cfg.window), 0
                 self.stats.probes += 1
+                self.server_idle = 0
             out.append(s.on)
+        self.server_idle += not all(out)
         if any(out) and self._cost_probe_due(batch):
             self.stats.cost_probes += 1
             return [False] * batch

@@ -223,6 +223,16 @@ class KVPool:
                     del self._idle[p]
                     self._free.append(p)
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy page ``src``'s KV, every layer's, into page ``dst`` (a writer's own)."""
+        if self.layout.attn == "state":
+            raise ValueError("a state entry has no pages to copy")
+        with self.lock:
+            if self._refs.get(dst) != 1 or dst in self._cached:
+                raise ValueError(f"page {dst} is not exclusively held: it cannot be written")
+        axis = 2 if self.layout.attn == "gqa" else 1  # [layers, (2,) pages, ...]
+        self.tensor.select(axis, dst).copy_(self.tensor.select(axis, src))
+
     def evict(self, n: int) -> int:
         """Evict up to ``n`` least recently used idle cached pages (they become free); the
         attached cache is told first. Returns how many were evicted."""

@@ -39,6 +39,10 @@ class ModelRunner:
     0's shard without the other ranks), nor an EAGLE head (its own forward).
     """
 
+    # its pools' tensors are all of their KV (KVPool.copy_page copies a page); a
+    # tensor-parallel runner's pools are sharded over its ranks' processes
+    local_pools = True
+
     def __init__(
         self, config: ModelConfig, model: CausalLM, dtype: str, device: str, graphs: bool = False
     ):

@@ -137,7 +137,9 @@ class DraftSpec:
     above which a step drafts nothing (verifying one token per sequence; 0: no limit), the
     adaptive policy's parameters (None: every sequence drafts whenever it can), and the chain's
     stopping confidence: a sequence's chain ends early once the product of the draft's
-    probabilities of its drafts so far falls under ``min_confidence`` (0: always k drafts)."""
+    probabilities of its drafts so far falls under ``min_confidence`` (0: always k drafts);
+    ``branches``: chains per greedy sequence, the first one's and the next best first drafts'
+    (an EAGLE head only: :mod:`.spec_branches`)."""
 
     runner: ModelRunner
     pool: KVPool
@@ -145,9 +147,10 @@ class DraftSpec:
     max_batch: int = 0
     policy: AdaptiveDrafting | None = None
     min_confidence: float = 0.0
+    branches: int = 1
 
     def __post_init__(self) -> None:
-        for name, low in (("num_spec_tokens", 1), ("max_batch", 0)):
+        for name, low in (("num_spec_tokens", 1), ("max_batch", 0), ("branches", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
@@ -163,6 +166,7 @@ class SpecStats:
     accepted: int = 0  # draft tokens the target accepted
     undrafted_steps: int = 0  # (sequence, step) pairs the adaptive policy kept from drafting
     switched_off: int = 0  # times the policy stopped a sequence's drafting (or started it off)
+    branch_kept: int = 0  # verify steps that kept another chain than the first (spec_branches)
 
     @property
     def acceptance_rate(self) -> float:
@@ -188,6 +192,7 @@ class SpecStats:
             "drafts_per_step": self.drafts_per_step,
             "undrafted_steps": self.undrafted_steps,
             "switched_off": self.switched_off,
+            "branch_kept": self.branch_kept,
         }
 
 
@@ -296,6 +301,13 @@ class DraftChain:
         if self.confidence[i] < self.min_confidence:
             self.ks[i] = min(self.ks[i], len(drafts))
 
+    def add(self, k: int) -> int:
+        """One more chain (an alternative's, :mod:`.spec_branches`) of up to ``k`` drafts:
+        its index."""
+        self.ks.append(k)
+        self.confidence.append(1.0)
+        return len(self.ks) - 1
+
     def wants(self, i: int, j: int) -> bool:
         """Whether sequence i drafts a token after its first ``j``."""
         return self.ks[i] > j
@@ -315,6 +327,8 @@ class SpecEngine(LLMEngine):
     # the target's plain step can replace a step nobody drafts in (an EAGLE head needs the
     # features that only the verify forward returns)
     plain_when_undrafted = True
+    # DraftSpec.branches > 1 is served (an EAGLE head's engine)
+    branching = False
 
     def __init__(
         self,
@@ -336,6 +350,10 @@ class SpecEngine(LLMEngine):
             raise ValueError(
                 f"max_context {max_context} exceeds the draft or target max_position_embeddings "
                 f"({limit})"
+            )
+        if draft.branches > 1 and not self.branching:
+            raise ValueError(
+                f"spec_branches {draft.branches}: several chains per sequence need an EAGLE head"
             )
         super().__init__(
             runner, pool, max_batch, max_context, tokenizer=tokenizer, prefix_cache=prefix_cache
@@ -481,7 +499,7 @@ class SpecEngine(LLMEngine):
             self._seq_input(s, [s.output_ids[-1]] + d, s.num_tokens - 1)
             for s, d in zip(decoding, drafts, strict=True)
         ]
-        logits = self._verify_logits(decoding, inputs)  # per seq [k_i + 1, V]
+        logits = self._verify_logits(decoding, inputs, drafts)  # per seq [k_i + 1, V]
         penalised = _penalised_rows(decoding, logits, drafts)
         done: list[tuple[int, list[int], int]] = []  # (index in decoding, emitted, accepted)
         for i, (seq, lg, d, q) in enumerate(zip(decoding, penalised, drafts, qs, strict=True)):
@@ -499,7 +517,9 @@ class SpecEngine(LLMEngine):
         for (i, tokens, m), lp in zip(done, lps, strict=True):
             self._accept(decoding[i], tokens, m, len(drafts[i]), out, lp)
 
-    def _verify_logits(self, seqs: list[Sequence], inputs: list[SeqInput]) -> list:
+    def _verify_logits(self, seqs: list[Sequence], inputs: list[SeqInput], drafts) -> list:
+        """The target's logits of each verify input. An engine that verified other chains
+        beside them may put the chain it keeps into ``drafts[i]`` (its logits then)."""
         return self.runner.forward(self.pool, inputs)
 
     def _accept(

@@ -18,6 +18,8 @@ consumed ``[0, draft_len)`` of them (its KV); ``draft_feats`` holds the rest, so
   ``m`` drafts accepted, ``f_{n-1} .. f_{n-1+m}`` are real and join ``draft_feats``.
 
 A sequence without head state (``draft_feats`` None) is verified one token at a time.
+With ``DraftSpec.branches > 1``, a greedy sequence's head also continues the next best first
+drafts, each a chain verified beside the first (:mod:`.spec_branches`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .eagle import EagleHead
 from .paged import SeqInput
 from .sequence import Sequence
 from .spec import DraftChain, DraftSpec, SpecEngine, _penalised_rows
+from .spec_branches import Branches, Chain, can_branch
 
 
 class EagleSpecEngine(SpecEngine):
@@ -37,12 +40,19 @@ class EagleSpecEngine(SpecEngine):
     # never computes (caching the head's KV and the last feature per block would lift this)
     prefix_cache_refusal = "an EAGLE head needs the target's features of the whole prompt"
     plain_when_undrafted = False  # the head's features come from the verify forward only
+    branching = True  # DraftSpec.branches (spec_branches)
 
     def __init__(self, runner, pool, draft: DraftSpec, *args, **kwargs):
         if not isinstance(draft.runner, EagleHead):
             raise TypeError("EagleSpecEngine needs an EagleHead draft (use spec_engine())")
+        if draft.branches > 1 and (not runner.local_pools or pool.window is not None):
+            raise ValueError(
+                "spec_branches > 1 is not supported with tensor parallelism or a sliding-window"
+                " pool: a chain's pages are copied in place"
+            )
         super().__init__(runner, pool, draft, *args, **kwargs)
         self._verified: dict[str, torch.Tensor] = {}
+        self._branches: Branches | None = None  # the step's alternative chains
 
     def _adopt_draft_pages(self, seq: Sequence, draft_pages, feature=None) -> None:
         """Prefilled elsewhere: the head's KV of the prompt pairs (positions [0, P - 1)) and
@@ -89,25 +99,47 @@ class EagleSpecEngine(SpecEngine):
             feats.append(s.draft_feats)
             s.draft_len, s.draft_feats = s.draft_len + n, s.draft_feats[:0]
         chain = DraftChain(ks, self.draft.min_confidence)
+        rows = [Chain(i, drafts[i], i, seqs[i].draft_pages, qs=qs[i]) for i in active]
+        branches = self._branches = Branches(self.draft.branches, self.draft.pool, self.pool)
         j = 0
-        while active:
-            logits, outs = self.draft.runner.forward_head(self.draft.pool, inputs, feats)
-            rows = _penalised_rows([seqs[i] for i in active], logits, [drafts[i] for i in active])
-            for i, row in zip(active, rows, strict=True):
-                drafts[i].append(self._propose_one(seqs[i], row[-1], qs[i]))
-                chain.drafted(i, seqs[i], row[-1], drafts[i], qs[i])
-            j += 1
-            keep = [(i, g) for i, g in zip(active, outs, strict=True) if chain.wants(i, j)]
-            active = [i for i, _ in keep]
-            inputs = [
-                SeqInput([drafts[i][-1]], seqs[i].draft_len + j - 1, seqs[i].draft_pages)
-                for i in active
-            ]
-            feats = [g for _, g in keep]  # the head's own predicted features
+        try:
+            while rows:
+                logits, outs = self.draft.runner.forward_head(self.draft.pool, inputs, feats)
+                pen = _penalised_rows([seqs[r.i] for r in rows], logits, [r.drafts for r in rows])
+                spawned = []
+                for r, row, g in zip(rows, pen, outs, strict=True):
+                    s, r.feature = seqs[r.i], g  # the head's own predicted feature
+                    r.drafts.append(self._propose_one(s, row[-1], r.qs))
+                    chain.drafted(r.c, s, row[-1], r.drafts, r.qs)
+                    if j == 0 and branches.width > 1 and can_branch(s):
+                        spawned += branches.spawn(s, r, row[-1], ks[r.i], chain)
+                j += 1
+                rows = [r for r in rows + spawned if chain.wants(r.c, j)]
+                inputs = [
+                    SeqInput([r.drafts[-1]], seqs[r.i].draft_len + j - 1, r.head_pages)
+                    for r in rows
+                ]
+                feats = [r.feature for r in rows]
+        except Exception:
+            branches.close()
+            self._branches = None
+            raise
+        branches.drafted()
         return drafts, qs
 
-    def _verify_logits(self, seqs: list[Sequence], inputs: list[SeqInput]) -> list:
-        logits, feats = self.runner.forward(self.pool, inputs, features=True)
+    def _verify_logits(self, seqs: list[Sequence], inputs: list[SeqInput], drafts) -> list:
+        branches, self._branches = self._branches, None
+        try:
+            more = branches.verify_inputs(seqs) if branches is not None else []
+            logits, feats = self.runner.forward(self.pool, inputs + more, features=True)
+            n = len(inputs)
+            logits, feats, alt_logits, alt_feats = logits[:n], feats[:n], logits[n:], feats[n:]
+            if more:
+                branches.keep(seqs, drafts, logits, feats, alt_logits, alt_feats)
+                self.stats.branch_kept += branches.kept
+        finally:
+            if branches is not None:
+                branches.close()
         self._verified = {s.seq_id: f for s, f in zip(seqs, feats, strict=True)}
         return logits
 

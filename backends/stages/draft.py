@@ -133,4 +133,5 @@ def spec_stats(engine) -> dict:
         "spec_mean_accepted_length": st.mean_accepted_length,
         "spec_undrafted_steps": st.undrafted_steps,
         "spec_switched_off": st.switched_off,
+        "spec_branch_kept": st.branch_kept,
     }

@@ -106,6 +106,8 @@ METRICS = [
     Metric("pd_spec_switched_off_total", C, "spec_switched_off",
            "Times drafting was switched off for a sequence (or a sequence started without it"
            " while drafting did not pay server-wide)"),
+    Metric("pd_spec_branch_kept_total", C, "spec_branch_kept",
+           "Verify steps that kept another draft chain than the first (spec_branches)"),
 ]  # fmt: skip
 
 

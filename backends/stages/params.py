@@ -252,6 +252,14 @@ class StageParams:
         " draft's probabilities of its drafts falls under this (fewer head calls and verify rows"
         " where the draft is unsure; lossless); 0 = always spec_tokens drafts",
     )
+    spec_branches: int = _p(
+        1,
+        ("decode",),
+        "with an EAGLE head: draft chains per greedy sequence, the head's first choice's and one"
+        " for each next best first token; the target verifies them side by side (as rows of"
+        " its forward) and keeps the one that starts right (lossless; backends/runtime/"
+        "spec_branches.py); 1 = one chain",
+    )
     spec_probe_interval: int = _p(
         AdaptiveDrafting.probe_interval,
         ("decode",),
@@ -340,7 +348,7 @@ class StageParams:
             "tensor_parallel_size",
         )
         for name in (*positive, "draft_layers", "spec_tokens", "spec_probe_interval",
-                     "failover_attempts"):  # fmt: skip
+                     "spec_branches", "failover_attempts"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(
                     f"parameter {name} must be an integer >= 1, got {getattr(self, name)}"

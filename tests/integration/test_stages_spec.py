@@ -56,10 +56,11 @@ def _mla_gqa_fp8() -> tuple[str, dict]:
     return target, dict(spec, kv_cache_dtype="float8_e4m3fn")
 
 
-def _eagle(kind: str):
+def _eagle(kind: str, **more):
     def case() -> tuple[str, dict]:  # a head trained for seconds by scripts/train_eagle.py
         target = checkpoint(kind)
-        return target, dict(spec_enabled=True, draft_model_dir=trained_head(target), spec_tokens=3)
+        head = trained_head(target)
+        return target, dict(spec_enabled=True, draft_model_dir=head, spec_tokens=3, **more)
 
     return case
 
@@ -67,10 +68,11 @@ def _eagle(kind: str):
 # -> (target checkpoint, spec parameters): an MLA target with a GQA draft checkpoint (they agree
 # about half the time), the same with fp8 KV (both entries fp8, each with its own scales), a
 # GQA target with a self-draft of its first half, and EAGLE heads (reduced vocabulary) on a GQA
-# and an MLA target
+# and an MLA target, and on the GQA target with three chains per sequence (spec_branches)
 CASES = {"mla-target+gqa-draft": _mla_gqa, "mla-target+gqa-draft-fp8": _mla_gqa_fp8,
          "gqa-self-draft": _self_draft, "gqa-target+eagle-head": _eagle("llama"),
-         "mla-target+eagle-head": _eagle("deepseek_v3")}  # fmt: skip
+         "mla-target+eagle-head": _eagle("deepseek_v3"),
+         "gqa-target+eagle-head-branches": _eagle("llama", spec_branches=3)}  # fmt: skip
 
 
 def prompt_kv(pool: KVPool, pages: list[int], n: int) -> torch.Tensor:
@@ -162,10 +164,10 @@ def test_spec_disaggregated_equals_colocated_and_transformers(case):
             dpool.free(pages)
         assert len(feature) == (len(PROMPTS) if head else 0)
         k = params["spec_tokens"]
-        cut = StageParams(**params).spec_min_confidence  # decode's chains end where it says
-        colo = spec_engine(
-            target, target.make_pool(96, 4), DraftSpec(draft, dpool, k, min_confidence=cut)
-        )
+        stage = StageParams(**params)  # decode's chains end where it says, as many as it says
+        dspec = DraftSpec(draft, dpool, k, min_confidence=stage.spec_min_confidence,
+                          branches=stage.spec_branches)  # fmt: skip
+        colo = spec_engine(target, target.make_pool(96, 4), dspec)
         seqs = colo.generate([(ids, SamplingParams(max_tokens=MAX_TOKENS)) for ids in PROMPTS])
         for i, s in enumerate(seqs):
             d = arrived[str(300 + i)][1]

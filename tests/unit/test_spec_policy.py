@@ -85,6 +85,25 @@ def test_drafting_resumes_when_it_pays_again():
     assert p.plan(["new"])[0]  # the server's mean is over r again
 
 
+def test_requests_shorter_than_the_probe_interval_still_probe_on_the_server_clock():
+    """Once the server is off (its mean under r), each new request starts undrafted, and a
+    request of 6 steps never reaches its own probe (after 8 x the backoff). The server's clock
+    probes anyway (every 8 x backoff steps with a sequence held off), so when the drafts pay
+    again (3 tokens per step) drafting resumes and new requests start drafting."""
+    p = DraftPolicy(AdaptiveDrafting(probe_interval=8, cost_ratio=1.4))
+    for i in range(4):  # useless drafts: the server goes off
+        _run(p, f"bad{i}", 6, 1.0)
+        p.forget(f"bad{i}")
+    assert not p.plan(["probe-less"])[0]
+    p.forget("probe-less")
+    plans = []
+    for i in range(12):  # the drafts pay now
+        plans.append(_run(p, f"good{i}", 6, 3.0))
+        p.forget(f"good{i}")
+    assert any(any(plan) for plan in plans[:4])  # a probe within 32 steps of the server
+    assert all(plans[-1])  # new requests draft from their first step again
+
+
 def test_cost_ratio_is_measured_per_batch_bucket():
     """r = 1 + (drafted / plain - 1) / f: a step where half the batch drafted at 1.25x a plain
     one means r = 1.5; steps that caught up a long run are not timed; r never drops under

@@ -86,6 +86,8 @@ def _raise_error_answer(answers: list[bytes]) -> None:
 
 
 class TPModelRunner(ShardRunner):
+    local_pools = False  # each rank holds its shard of every pool
+
     @classmethod
     def start(
         cls,

@@ -1,0 +1,133 @@
+"""Several draft chains per sequence (backends/runtime/spec_branches.py, DraftSpec.branches):
+the output stays the target-only greedy output when an alternative chain is kept (its pages
+become the sequence's), every page a chain took is free again, and where a chain cannot run
+(no free pages, sampling, penalties, a draft model) the engine serves one chain."""
+
+from __future__ import annotations
+
+import pytest
+import runtime_models as rm
+import spec_models as sm
+import torch
+from eagle_heads import random_head, trained_head
+
+from backends.runtime.sampler import SamplingParams
+from backends.runtime.spec import DraftSpec, load_draft
+from backends.runtime.spec_branches import Branches
+from backends.runtime.spec_eagle import EagleSpecEngine, spec_engine
+from backends.stages.params import StageParams
+
+PROMPTS = [rm.random_prompt(n, seed=n) for n in (1, 4, 9, 14, 6)]
+MAX_TOKENS = [20, 9, 16, 3, 12]
+
+
+def _engine(target, head_dir: str, branches: int, pages: int = 64, k: int = 3):
+    head = load_draft(target, path=head_dir)
+    dspec = DraftSpec(head, head.make_pool(pages, 4, role="draft"), k, branches=branches)
+    return spec_engine(target, target.make_pool(pages, 4), dspec)
+
+
+def _second_choice_first(engine: EagleSpecEngine) -> None:
+    """The first chain of every greedy sequence starts from the head's second choice, so the
+    head's own first choice is an alternative: kept whenever the head was right."""
+    propose_one = engine._propose_one
+
+    def second(seq, logits, q):
+        if seq.params.greedy and not engine._second_done.get(seq.seq_id):
+            engine._second_done[seq.seq_id] = True
+            return int(logits.topk(2).indices[1])
+        return propose_one(seq, logits, q)
+
+    engine._second_done = {}
+    engine._propose_one = second
+    step = engine.step
+
+    def each_step():
+        engine._second_done.clear()  # the first draft of each step
+        return step()
+
+    engine.step = each_step
+
+
+@pytest.mark.parametrize("branches", [2, 4])
+def test_kept_alternatives_give_the_target_only_output(llama, branches):
+    engine = _engine(llama, trained_head(rm.checkpoint("llama")), branches)
+    _second_choice_first(engine)
+    reqs = [(p, sm.greedy(m)) for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    seqs = engine.generate(reqs)
+    for (p, sp), s in zip(reqs, seqs, strict=True):
+        assert s.output_ids == sm.reference(llama, p, sp), p
+        assert s.draft_len + len(s.draft_feats) == s.num_tokens - 1  # the head's invariant
+    # kept alternatives, whose first draft was accepted: their KV became the sequences'
+    assert engine.stats.branch_kept > 0
+    assert engine.pool.num_free == 64 and engine.draft.pool.num_free == 64
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+def test_branches_on_gqa_and_mla_targets_are_lossless(kind, llama, mla):
+    target = llama if kind == "llama" else mla
+    engine = _engine(target, random_head(rm.checkpoint(kind), 64), 3)
+    _second_choice_first(engine)
+    reqs = [(p, sm.greedy(m)) for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    for (p, sp), s in zip(reqs, engine.generate(reqs), strict=True):
+        assert s.output_ids == sm.reference(target, p, sp), p
+    assert engine.pool.num_free == 64 and engine.draft.pool.num_free == 64
+
+
+def test_no_free_pages_serves_one_chain(llama):
+    """A pool with no page to spare: no alternative runs, nothing fails, nothing leaks."""
+    prompt, m = PROMPTS[2], 16
+    pages = -(-(len(prompt) + m) // 4)
+    engine = _engine(llama, trained_head(rm.checkpoint("llama")), 4, pages=pages)
+    (s,) = engine.generate([(prompt, sm.greedy(m))])
+    assert s.output_ids == sm.reference(llama, prompt, sm.greedy(m))
+    assert engine.stats.branch_kept == 0 and engine.stats.verify_steps > 0
+    assert engine.pool.num_free == pages and engine.draft.pool.num_free == pages
+
+
+def test_sampled_and_penalised_sequences_run_one_chain(llama, monkeypatch):
+    engine = _engine(llama, trained_head(rm.checkpoint("llama")), 3)
+    spawned = []
+    spawn = Branches.spawn
+
+    def spy(self, seq, main, row, k, chain):
+        spawned.append(seq.seq_id)
+        return spawn(self, seq, main, row, k, chain)
+
+    monkeypatch.setattr(Branches, "spawn", spy)
+    sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True)
+    penalised = SamplingParams(max_tokens=8, repetition_penalty=1.3, ignore_eos=True)
+    seqs = engine.generate([(PROMPTS[1], sampled), (PROMPTS[2], penalised),
+                            (PROMPTS[4], sm.greedy(8))])  # fmt: skip
+    ids = [s.seq_id for s in seqs]
+    assert ids[0] not in spawned and ids[1] not in spawned and ids[2] in spawned
+    assert seqs[1].output_ids == sm.reference(llama, PROMPTS[2], penalised)
+    assert engine.pool.num_free == 64 and engine.draft.pool.num_free == 64
+
+
+def test_branches_need_an_eagle_head_and_a_count(llama):
+    draft = load_draft(llama, num_layers=1)
+    dspec = DraftSpec(draft, draft.make_pool(16, 4, role="draft"), 2, branches=2)
+    with pytest.raises(ValueError, match="need an EAGLE head"):
+        spec_engine(llama, llama.make_pool(16, 4), dspec)
+    with pytest.raises(ValueError, match="branches must be an integer >= 1"):
+        DraftSpec(draft, draft.make_pool(16, 4, role="draft"), 2, branches=0)
+    with pytest.raises(ValueError, match="spec_branches must be an integer >= 1"):
+        StageParams(spec_branches=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+def test_copy_page_copies_every_layer_of_one_page(kind, llama, mla):
+    target = llama if kind == "llama" else mla
+    pool = target.make_pool(6, 4)
+    pool.tensor.copy_(torch.randn(pool.tensor.shape).to(pool.tensor.dtype))
+    before = pool.tensor.clone()
+    src, dst = pool.alloc(2)
+    pool.copy_page(src, dst)
+    axis = 2 if pool.layout.attn == "gqa" else 1
+    assert torch.equal(pool.tensor.select(axis, dst), before.select(axis, src))
+    others = [p for p in range(6) if p != dst]
+    idx = torch.tensor(others)
+    assert torch.equal(pool.tensor.index_select(axis, idx), before.index_select(axis, idx))
+    with pytest.raises(ValueError, match="not exclusively held"):
+        pool.copy_page(src, 5)  # a free page
