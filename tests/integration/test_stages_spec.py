@@ -168,6 +168,7 @@ def test_spec_disaggregated_equals_colocated_and_transformers(case):
         dspec = DraftSpec(draft, dpool, k, min_confidence=stage.spec_min_confidence,
                           branches=stage.spec_branches)  # fmt: skip
         colo = spec_engine(target, target.make_pool(96, 4), dspec)
+        assert decode.engine.draft.branches == stage.spec_branches  # the parameter reached it
         seqs = colo.generate([(ids, SamplingParams(max_tokens=MAX_TOKENS)) for ids in PROMPTS])
         for i, s in enumerate(seqs):
             d = arrived[str(300 + i)][1]
