@@ -227,8 +227,7 @@ def pd_row(args, target, draft, name: str, texts: list[list[int]]) -> dict:
     colo_engine = make_spec(args, target, draft, k, False, b, texts, branches=w)
     _, outputs, colo = run_once(colo_engine, groups, args.max_tokens, args.ignore_eos)
     pd = pd_spec_stats(args.model, args.draft, k, groups, args.max_tokens, args.page_size,
-                       args.ignore_eos, False, args.spec_max_batch,
-                       max(args.branches))  # fmt: skip
+                       args.ignore_eos, False, args.spec_max_batch, w)  # fmt: skip
     log(f"{name} PD batch {b} k={k}: acceptance {pd['acceptance_rate']:.3f}"
         f" (colocated {colo['acceptance_rate']:.3f})")  # fmt: skip
     return {"acceptance_pd": pd["acceptance_rate"], "acceptance_colocated": colo["acceptance_rate"],

@@ -517,7 +517,9 @@ class SpecEngine(LLMEngine):
         for (i, tokens, m), lp in zip(done, lps, strict=True):
             self._accept(decoding[i], tokens, m, len(drafts[i]), out, lp)
 
-    def _verify_logits(self, seqs: list[Sequence], inputs: list[SeqInput], drafts) -> list:
+    def _verify_logits(
+        self, seqs: list[Sequence], inputs: list[SeqInput], drafts: list[list[int]]
+    ) -> list:
         """The target's logits of each verify input. An engine that verified other chains
         beside them may put the chain it keeps into ``drafts[i]`` (its logits then)."""
         return self.runner.forward(self.pool, inputs)

@@ -58,8 +58,7 @@ class Chain:
     head_pages: list[int]
     feature: torch.Tensor | None = None
     qs: list = field(default_factory=list)
-    pages: list[int] | None = None  # the target's page table (verify), with its own tail
-    tail: list[int] | None = None
+    tail: list[int] | None = None  # the target's pages of its own (verify)
 
 
 class Branches:
@@ -77,10 +76,10 @@ class Branches:
         next best first tokens, each a chain of up to ``k`` drafts. The head continues them
         at the positions from ``seq.draft_len`` on, through tails of its own."""
         top = row.topk(min(self.width, row.numel()))
+        picks = [t for v, t in zip(top.values.tolist(), top.indices.tolist(), strict=True)
+                 if t != main.drafts[0] and v != float("-inf")]  # fmt: skip
         new: list[Chain] = []
-        for score, t in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-            if t == main.drafts[0] or score == float("-inf") or len(new) == self.width - 1:
-                continue
+        for t in picks[: self.width - 1]:
             head_pages = seq.draft_pages
             if k > 1:  # the head is fed its drafts but the last
                 fork = fork_tail(self.head_pool, seq.draft_pages, seq.draft_len,
@@ -114,9 +113,9 @@ class Branches:
                 if fork is None:
                     alts.remove(alt)
                     continue
-                alt.pages, alt.tail = fork
+                pages, alt.tail = fork
                 self._tails.append(alt.tail)
-                inputs.append(SeqInput([s.output_ids[-1]] + alt.drafts, start, alt.pages))
+                inputs.append(SeqInput([s.output_ids[-1]] + alt.drafts, start, pages))
         return inputs
 
     def keep(self, seqs: list[Sequence], drafts: list[list[int]], logits: list, feats: list,

@@ -127,7 +127,9 @@ class EagleSpecEngine(SpecEngine):
         branches.drafted()
         return drafts, qs
 
-    def _verify_logits(self, seqs: list[Sequence], inputs: list[SeqInput], drafts) -> list:
+    def _verify_logits(
+        self, seqs: list[Sequence], inputs: list[SeqInput], drafts: list[list[int]]
+    ) -> list:
         branches, self._branches = self._branches, None
         try:
             more = branches.verify_inputs(seqs) if branches is not None else []
