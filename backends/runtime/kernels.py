@@ -29,7 +29,12 @@ Three settings, read from the environment when a model loads (``KernelSettings.f
   rows and the packed copy from 9. Since its x vectors are loaded once a k-step and its sums
   reduced eight at a time (csrc/cpu_linear.cpp), small-row / packed in the same run, three
   runs each, this commit (before): 8 rows 0.74-0.75 (0.79-0.97); 12 rows 0.92-1.04
-  (0.93-1.07): the crossover stayed.
+  (0.93-1.07): the crossover stayed. Since its 3 to 6 rows run 8 x 4 tiles (eight weight rows
+  streaming at once; 0.86-0.94 of the 3 x 8 tiles' time, csrc/cpu_linear.cpp), a SmolLM2 target
+  forward (30 layers, 40 tokens of context, medians of 15 interleaved runs, ms) measured
+  small-row up to 8 rows / packed from 4: 4 rows 30.8 / 33.3; 5 rows 33.2 / 31.7; 6 rows 34.6
+  / 31.9; 7 rows 41.3 / 35.2; 8 rows 36.3 / 34.7, so the packed copy runs from 5 rows (a
+  speculative verify of 3 drafts is 4 rows).
   bfloat16 weights on a CPU with bf16 GEMM instructions (``not slow_bf16_gemm()``) keep
   oneDNN's pre-packed copy too (AMX's blocked layout, not repacked per call), which runs from
   ``BF16_GEMM_FROM_ROWS`` rows on: SmolLM2's 30 layers of projections, ms, small-row kernel or
@@ -154,7 +159,7 @@ def slow_bf16_gemm() -> bool:
         return True
 
 
-PACKED_FROM_ROWS = 9  # AVX-512 hosts: oneDNN's packed GEMM from this many rows (crossover: 8-16)
+PACKED_FROM_ROWS = 5  # AVX-512 hosts: oneDNN's packed GEMM from this many rows (crossover: 5)
 # bfloat16 weights on a CPU with bf16 GEMM instructions (AVX512-BF16 / AMX): oneDNN's packed
 # copy from this many rows (see the module docstring; before it, F.linear from 5 rows:
 # benchmarks.linear --dtype bfloat16 on the AMX host, ms, small-row kernel / F.linear: 2 rows

@@ -96,12 +96,13 @@ def test_linear_setting_and_fallbacks():
         KernelSettings(linear="fast")
 
 
-@pytest.mark.parametrize("rows", [8, 11, 12, 19, 33])
+@pytest.mark.parametrize("rows", [4, 5, 6, 8, 11, 12, 19, 33])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 def test_linear_small_every_row_tile(rows, wdtype):
-    """The op itself (whichever rows the runtime gives it): full 8-row tiles, whose sums are
-    reduced eight at a time on AVX-512, then each remainder tile; 50 outputs (3-row strips plus
-    a tail) and 300 inputs (a 16-float tail of 12)."""
+    """The op itself (whichever rows the runtime gives it): up to 6 rows 4-row tiles over
+    8-output strips on AVX-512 (50 outputs: 6 strips plus a tail of 2), from 7 rows full 8-row
+    tiles whose sums are reduced eight at a time (3-output strips plus a tail), then each
+    remainder tile; 300 inputs (a 16-float tail of 12)."""
     op = cpu_ops().linear_small
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(50, 300, generator=g).to(wdtype)

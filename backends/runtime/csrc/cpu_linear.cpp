@@ -186,9 +186,19 @@ PD_MULTIVERSION void linear_rows(const Problem<W>& p, int64_t n_begin, int64_t n
 // folded it into each of its 3 FMAs (27 loads a step for 24 FMAs; one thread, 16 rows, K =
 // 4608: 72 -> 105 GFLOP/s, against MKL's 140 at 4096 rows). A tile's 24 sums are reduced 8 at
 // a time (pd::sums8: ~3 instructions a sum, not 7, where K = 576 is only 36 steps a tile).
+// Up to kTallRows rows, 8 x 4 tiles instead: eight weight rows stream from memory at once,
+// which is what a few rows wait on (SmolLM2's 30 layers of projections + LM head, float32, 2-core
+// AVX-512 host, 3 x 8 tiles = 1, medians of 15 interleaved passes: 3 rows 0.94, 4 rows 0.93,
+// 5 rows 0.90, 6 rows 0.86; 8 rows 1.06, so 3 x 8 stays from 7 rows on).
+constexpr int64_t kTallRows = 6;
+
 template <typename W>
 PD_WIDE void linear_rows_wide(const Problem<W>& p, int64_t n_begin, int64_t n_end) {
-  rows_range<3, 8, v16>(p, n_begin, n_end);
+  if (p.M <= kTallRows) {
+    rows_range<8, 4, v16>(p, n_begin, n_end);
+  } else {
+    rows_range<3, 8, v16>(p, n_begin, n_end);
+  }
 }
 
 constexpr int64_t kRowsPerTask = 48;  // w rows per parallel task (a multiple of 8, 4 and 3)
