@@ -131,17 +131,19 @@ SPEC_KEYS = (
 
 def measure(makers: dict, groups, args) -> dict[str, dict]:
     """Each engine ``makers`` builds, warmed up, then run in turn ``--runs`` times (a drift of
-    the machine's speed hits them alike) -> per name the median decode tokens/s, the spec stats
-    (of the last run; greedy acceptance is the same every run, the policy's choices nearly)
-    and the outputs."""
+    the machine's speed hits them alike; each run starts one engine further on, so no engine
+    always runs right after the same other one) -> per name the median decode tokens/s, the
+    spec stats (of the last run; greedy acceptance is the same every run, the policy's choices
+    nearly) and the outputs."""
     engines = {name: make() for name, make in makers.items()}
     for engine in engines.values():
         run_once(engine, [groups[0][:1]], 4)  # warm up
     rates: dict[str, list] = {name: [] for name in engines}
     last: dict[str, tuple] = {}
-    for _ in range(args.runs):
-        for name, engine in engines.items():
-            rate, outputs, st = run_once(engine, groups, args.max_tokens, args.ignore_eos)
+    names = list(engines)
+    for r in range(args.runs):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            rate, outputs, st = run_once(engines[name], groups, args.max_tokens, args.ignore_eos)
             rates[name].append(rate)
             last[name] = (outputs, st)
     out = {}
