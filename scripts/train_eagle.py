@@ -244,15 +244,53 @@ def lr_at(step: int, total: int, peak: float, warmup: float = 0.05) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
 
 
-def evaluate(model, items, vocab_map: torch.Tensor, chain: int) -> list[float]:
-    """Teacher-forced accuracy on the response tokens, per chain step."""
+def served_walk(matches: list[int], plen: int, length: int, k: int,
+                max_tokens: int) -> tuple[int, int]:  # fmt: skip
+    """Where serving starts its chains in one response, and what they keep: the first chain
+    drafts after the prefill's token, each verify keeps ``m`` drafts and the target's next
+    token, and the next chain starts after them. ``matches[i]``: how many leading drafts of the
+    chain read at position ``i`` (drafting ``x_{i+2}``, ...) are right; ``length``: the tokens
+    of prompt + response. k is clamped as decode clamps it (``max_tokens`` - emitted - 1) and to
+    the response (past its EOS nothing is known). -> (verify steps, tokens they gave)."""
+    steps = tokens = 0
+    n = plen + 1  # tokens so far: the prompt and the prefill's first token
+    while n < length:
+        kk = min(k, max_tokens - (n - plen) - 1, length - n)
+        if kk <= 0:  # a plain step
+            n += 1
+            continue
+        m = min(matches[n - 2], kk)
+        steps, tokens, n = steps + 1, tokens + m + 1, n + m + 1
+    return steps, tokens
+
+
+def evaluate(model, items, vocab_map: torch.Tensor, chain: int, max_tokens: int) -> dict:
+    """On the response tokens: teacher-forced accuracy per chain step (``acc``: every position
+    a chain could start at), and the tokens per verify step of chains of ``chain`` drafts that
+    start where serving starts them (``served_tokens_per_step``: after each verify, so mostly
+    right after a draft the target did not take, which are harder positions than the average)."""
     hits = [[0, 0] for _ in range(chain)]
+    steps = tokens = 0
     with torch.no_grad():
         for i in range(0, len(items), 16):
-            batch = make_batch(items[i : i + 16], vocab_map, 0.0, chain, prompt_anchors=0)
-            for acc, (h, n) in zip(hits, losses(model, batch, 0.0)[1], strict=True):
-                acc[0], acc[1] = acc[0] + h, acc[1] + n
-    return [h / max(1, n) for h, n in hits]
+            part = items[i : i + 16]
+            batch = make_batch(part, vocab_map, 0.0, chain, prompt_anchors=0)
+            out = model.chain([batch.tok0, *batch.tok], batch.feat, batch.idx)
+            right = torch.ones_like(batch.idx, dtype=torch.bool)
+            run = torch.zeros_like(batch.idx)
+            for (logits, _), y, r, acc in zip(out, batch.tgt, batch.resp, hits, strict=True):
+                ok = (logits.argmax(-1) == y) & (y >= 0)
+                r = r & (y >= 0)
+                acc[0], acc[1] = acc[0] + int((ok & r).sum()), acc[1] + int(r.sum())
+                right = right & ok
+                run += right.long()
+            for b, (t, _, plen) in enumerate(part):
+                first = int(batch.idx[b, 0])  # the anchors start at plen - 2
+                matches = [0] * first + run[b].tolist()
+                walked = served_walk(matches, plen, len(t), chain, max_tokens)
+                steps, tokens = steps + walked[0], tokens + walked[1]
+    return {"acc": [h / max(1, n) for h, n in hits],
+            "served_tokens_per_step": tokens / steps if steps else None}  # fmt: skip
 
 
 def build_data(target, args) -> tuple[list, dict[str, list], dict]:
@@ -499,7 +537,9 @@ def main(argv=None) -> None:
                  " (--stop-after): the same command resumes")  # fmt: skip
         print(json.dumps({"out": None, **result}))
         return
-    acc = {name: evaluate(model, items, vocab_map, args.chain) for name, items in evals.items()}
+    scores = {name: evaluate(model, items, vocab_map, args.chain, args.max_tokens)
+              for name, items in evals.items()}  # fmt: skip
+    acc = {name: x["acc"] for name, x in scores.items()}
     cfg = head_checkpoint_config(target.config, args.heads, args.kv_heads, args.head_dim,
                                  args.intermediate, D)  # fmt: skip
     save_head(args.out, cfg, model.tensors(vocab_ids))
@@ -511,6 +551,7 @@ def main(argv=None) -> None:
         "draft_vocab_coverage": float(counts_v[vocab_ids].sum() / counts_v.sum()),
         "data_s": t_data, **result, "total_s": time.time() - t0,
         "response_acc": acc, "held_out_response_acc": acc.get("held-out"),
+        "served_tokens_per_step": {k: x["served_tokens_per_step"] for k, x in scores.items()},
     }))  # fmt: skip
 
 

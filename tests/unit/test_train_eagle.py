@@ -131,6 +131,19 @@ def test_one_pass_responses_and_features_are_the_engines_and_a_forward(llama):
                                    rtol=2e-3)  # fmt: skip
 
 
+def test_served_walk_starts_each_chain_after_the_last_verify():
+    """The chains start where decode starts them: after the prefill's token, then after each
+    verify's kept drafts and the target's own token; k clamped to max_tokens - emitted - 1 and
+    to the response."""
+    te = _te()
+    matches = [9, 9, 2, 0, 1, 3, 0, 0, 0, 0]  # prompt of 3, response of 9: positions 2..9 draft
+    # n = 4: keeps 2 (+1) -> n = 7: keeps 3 (+1) -> n = 11: one draft left in the text, missed
+    assert te.served_walk(matches, 3, 12, 3, max_tokens=100) == (3, 8)
+    # the response at max_tokens: the last token is decode's own (k = 9 - 8 - 1 = 0), no verify
+    assert te.served_walk(matches, 3, 12, 3, max_tokens=9) == (2, 7)
+    assert te.served_walk(matches, 3, 12, 1, max_tokens=100) == (6, 8)  # one draft a step
+
+
 def test_shards_redo_only_the_chunks_a_stopped_run_left(tmp_path):
     calls = []
 
@@ -206,6 +219,8 @@ def test_an_interrupted_training_resumes_to_the_uninterrupted_weights(tmp_path, 
         os.path.join(out, "model.safetensors"))  # fmt: skip
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert last["response_acc"] == whole["response_acc"]
+    est = last["served_tokens_per_step"]["held-out"]
+    assert est == whole["served_tokens_per_step"]["held-out"] and 1.0 <= est <= 4.0
 
 
 def test_minutes_shortens_the_schedule_to_fit(tmp_path):
