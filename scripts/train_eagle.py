@@ -208,8 +208,8 @@ def losses(model, batch: Batch, feature_weight: float, prompt_weight: float = 1.
     out = model.chain([batch.tok0, *batch.tok], batch.feat, batch.idx)
     wt = torch.where(batch.resp, 1.0, prompt_weight) * (batch.tgt >= 0)
     reg = F.smooth_l1_loss(out[0][1], batch.nxt[0], reduction="none").mean(-1)
-    loss, hits = feature_weight * (reg * wt[0]).sum() / wt[0].sum().clamp(min=1e-6), []
-    for (logits, _), y, w, r, f in zip(out, batch.tgt, wt, batch.resp, batch.nxt, strict=True):
+    loss = feature_weight * (reg * wt[0]).sum() / wt[0].sum().clamp(min=1e-6)
+    for (logits, _), y, w, f in zip(out, batch.tgt, wt, batch.nxt, strict=True):
         ce = F.cross_entropy(logits.flatten(0, 1), y.flatten().clamp(min=0), reduction="none")
         if soft:  # cross-entropy against the target's distribution (probability targets)
             with torch.no_grad():
@@ -217,9 +217,14 @@ def losses(model, batch: Batch, feature_weight: float, prompt_weight: float = 1.
             soft_ce = F.cross_entropy(logits.float().flatten(0, 1), p, reduction="none")
             ce = soft * soft_ce + (1 - soft) * ce
         loss = loss + (ce * w.flatten()).sum() / w.sum().clamp(min=1e-6)
-        r = r & (y >= 0)
-        hits.append((int(((logits.argmax(-1) == y) & r).sum()), int(r.sum())))
-    return loss, hits
+    return loss, [(int((ok & r).sum()), int(r.sum())) for ok, r in step_hits(out, batch)]
+
+
+def step_hits(out, batch: Batch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per chain step of ``out`` (``HeadModule.chain``'s): (the head's top-1 is the target's
+    token, the target is a response token in the draft vocabulary), each [B, A]."""
+    return [((logits.argmax(-1) == y) & (y >= 0), r & (y >= 0))
+            for (logits, _), y, r in zip(out, batch.tgt, batch.resp, strict=True)]  # fmt: skip
 
 
 def epoch_batches(lengths: list[int], batch: int, seed: int, epoch: int) -> list[list[int]]:
@@ -277,10 +282,8 @@ def evaluate(model, items, vocab_map: torch.Tensor, chain: int, max_tokens: int)
             batch = make_batch(part, vocab_map, 0.0, chain, prompt_anchors=0)
             out = model.chain([batch.tok0, *batch.tok], batch.feat, batch.idx)
             right = torch.ones_like(batch.idx, dtype=torch.bool)
-            run = torch.zeros_like(batch.idx)
-            for (logits, _), y, r, acc in zip(out, batch.tgt, batch.resp, hits, strict=True):
-                ok = (logits.argmax(-1) == y) & (y >= 0)
-                r = r & (y >= 0)
+            run = torch.zeros_like(batch.idx)  # per anchor: its leading right drafts
+            for (ok, r), acc in zip(step_hits(out, batch), hits, strict=True):
                 acc[0], acc[1] = acc[0] + int((ok & r).sum()), acc[1] + int(r.sum())
                 right = right & ok
                 run += right.long()
