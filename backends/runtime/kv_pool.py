@@ -33,7 +33,7 @@ import torch
 
 from kvtransfer import EntryLayout
 
-from .dtypes import TORCH_DTYPES
+from .dtypes import torch_dtype
 from .state_pool import StatePool
 
 
@@ -58,7 +58,7 @@ class KVPool:
         window: KVPool | None = None,
     ):
         self.tensor = torch.zeros(
-            layout.buffer_shape(), dtype=TORCH_DTYPES[layout.dtype], device=device
+            layout.buffer_shape(), dtype=torch_dtype(layout.dtype), device=device
         )
         self.layout = layout.with_pool(layout.num_pages, self.tensor.data_ptr())
         self.page_size = layout.page_size

@@ -24,9 +24,8 @@ import math
 import torch
 
 from .config import MAIN, WINDOW
+from .dtypes import KV_CACHE_DTYPES
 
-FP8 = "float8_e4m3fn"
-KV_CACHE_DTYPES = ("auto", FP8)
 FP8_MAX = 448.0
 HEADROOM = 4.0  # decode-time values may exceed the calibration's largest by this factor
 CALIBRATION_TOKENS = 256

@@ -21,10 +21,8 @@ from dataclasses import dataclass, field, fields, replace
 
 from kvtransfer import PROTOCOLS, Identity, TransferConfig
 
-from ..runtime.device import resolve_device
 from ..runtime.draft_policy import AdaptiveDrafting
-from ..runtime.dtypes import MODEL_DTYPES
-from ..runtime.kv_quant import KV_CACHE_DTYPES
+from ..runtime.dtypes import KV_CACHE_DTYPES, MODEL_DTYPES
 from .keys import refuse_weak
 from .policy import LayerGroupPolicy
 
@@ -428,6 +426,8 @@ class StageParams:
     def on_instance(self, kind: str = "", device_id: int = -1) -> StageParams:
         """These parameters with ``device`` resolved for a serving instance (Triton's
         ``model_instance_kind`` / ``model_instance_device_id``)."""
+        from ..runtime.device import resolve_device  # torch: only where a stage runs
+
         return replace(self, device=resolve_device(self.device, kind, device_id))
 
     def policy(self) -> LayerGroupPolicy:

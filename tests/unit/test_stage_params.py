@@ -174,3 +174,20 @@ def test_a_non_loopback_bootstrap_host_needs_a_secret_or_an_explicit_opt_out(mon
     monkeypatch.setenv("PD_SHARED_SECRET", SECRET[::-1])
     cfg = parse_params({"bootstrap_host": "10.1.2.3"}).transfer_config()
     assert cfg.shared_secret == SECRET[::-1].encode()
+
+
+def test_make_repo_and_the_parameter_checks_run_without_torch():
+    """serve.sh runs make_repo (the stage parameters' checks) and triton_paths at every start;
+    loading torch there took 1.8 s of each start (was: params imported it through the device
+    and dtype modules)."""
+    code = (
+        "import sys, runpy\n"
+        "import backends.stages.params\n"
+        "sys.argv = ['triton_paths.py']\n"
+        "runpy.run_path('scripts/triton_paths.py', run_name='__main__')\n"
+        "print(sorted(m for m in ('torch', 'pytriton.client') if m in sys.modules))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
