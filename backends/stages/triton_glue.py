@@ -9,6 +9,7 @@ knows Triton's Python API; ``pb`` is the ``triton_python_backend_utils`` module 
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import subprocess
@@ -50,6 +51,16 @@ def setup_env() -> None:
         stdout=subprocess.DEVNULL,
         close_fds=True,
     )
+
+
+def started() -> None:
+    """The last step of a stage's ``initialize``: what it built (modules, the model's Python
+    objects, the tokenizer: about 330,000 objects in a decode stage) leaves the garbage
+    collector's reach (``gc.freeze``); reference counting still frees them. A full collection,
+    which Python may run at any step, then takes about 0 ms instead of 170 ms (measured on
+    SmolLM2's decode stage, 2 cores: a pause in the middle of a decode step), and the process
+    exits 1.2 s sooner when Triton unloads it (no collection of them on the way out)."""
+    gc.freeze()
 
 
 def stage_params(pb, args: dict, stage: str) -> StageParams:

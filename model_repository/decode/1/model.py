@@ -57,6 +57,7 @@ class TritonPythonModel:
         # tensor parallel: a dead rank ends this process; the supervisor loads the stage again
         name = args["model_instance_name"]
         g.exit_when_a_rank_dies(name, self.worker.runner, self.worker.draft)
+        g.started()
 
     def _submit(self, request, sender) -> None:
         req = g.stage_request(pb, request)

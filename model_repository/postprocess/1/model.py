@@ -29,6 +29,7 @@ class TritonPythonModel:
         g.setup_env()
         self.post = Postprocessor(g.stage_params(pb, args, "postprocess"))
         self.retirement = g.Retirement(args["model_instance_name"])
+        g.started()
 
     def _forward_cancel(self, res) -> None:
         try:

@@ -51,6 +51,7 @@ class TritonPythonModel:
         self.retirement = g.Retirement(name, self.worker.idle)
         # tensor parallel: a dead rank ends this process; the supervisor loads the stage again
         g.exit_when_a_rank_dies(name, self.worker.runner, self.worker.draft)
+        g.started()
 
     def _submit(self, request, sender) -> None:
         params = request.parameters()

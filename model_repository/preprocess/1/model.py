@@ -19,6 +19,7 @@ class TritonPythonModel:
         g.setup_env()
         self.pre = Preprocessor(g.stage_params(pb, args, "preprocess"))
         self.retirement = g.Retirement(args["model_instance_name"])
+        g.started()
 
     def execute(self, requests):
         with self.retirement:  # a replaced version exits only between batches

@@ -41,6 +41,7 @@ class TritonPythonModel:
         self.metrics = RouterMetrics(pb, "router", name, self.router)
         self.stage_metrics = g.StageMetrics(pb, "router", name, self.router.stage_stats)
         self.retirement = g.Retirement(name)
+        g.started()
 
     def _route(self, request, sender) -> None:
         req = g.stage_request(pb, request)
