@@ -39,9 +39,31 @@ fi
 """
 
 
+# Triton's own line shape (glog: level letter, month and day, time, pid, where), so that a stage's
+# lines sort and grep with the server's
+LOG_FORMAT = "%(levelname).1s%(asctime)s.%(msecs)03d %(process)d %(name)s] %(message)s"
+
+
+def log_to_stderr() -> None:
+    """A stage process's log records (warnings and up) on stderr, which serve.sh appends to the
+    server log, each with its time, level and process. Before, Python's last-resort handler
+    wrote the bare message: a failover's lines (server marked down, rooms re-dispatched, up
+    again) could not be placed in time beside Triton's. Nothing changes where a handler is
+    already set."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, "%m%d %H:%M:%S"))
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+
+
 def setup_env() -> None:
-    """Environment of a stage process, and its watchdog: it exits when its tritonserver is
-    gone (a stage process left behind would hold its memory and ports forever)."""
+    """Environment of a stage process, its log lines (:func:`log_to_stderr`) and its watchdog:
+    it exits when its tritonserver is gone (a stage process left behind would hold its memory
+    and ports forever)."""
+    log_to_stderr()
     os.environ.setdefault("GLOG_minloglevel", "2")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = [str(os.getppid()), str(os.getpid())]

@@ -67,3 +67,30 @@ def test_a_closed_response_sender_never_leaves_the_rest_of_the_batch_unanswered(
     assert fine.sender.sent == [("answer of fine", FakePb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)]
     said = [r.getMessage() for r in caplog.records if r.name == g.__name__]
     assert len(said) == 1 and "Response sender has been closed" in said[0]
+
+
+def test_a_stage_process_logs_with_time_level_and_pid():
+    """setup_env's log_to_stderr: a stage's warning in the server log carries Triton's line
+    shape (was: the bare message, no time to place a failover's lines against Triton's)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    code = (
+        "import logging\n"
+        "from backends.stages import triton_glue as g\n"
+        "g.log_to_stderr()\n"
+        "logging.getLogger('backends.stages.router.router').warning('router: %s up', 'p2')\n"
+        "logging.getLogger('x').info('not shown')\n"
+        "import os; print(os.getpid())\n"
+    )
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(root))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    shape = r"W\d{4} \d\d:\d\d:\d\d\.\d{3} (\d+) backends\.stages\.router\.router\] router: p2 up"
+    m = re.fullmatch(shape, lines[0])
+    assert m and m.group(1) == out.stdout.strip(), lines[0]
