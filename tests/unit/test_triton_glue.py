@@ -5,6 +5,10 @@ request whose client is gone (its response sender closed) never leaves the other
 from __future__ import annotations
 
 import logging
+import os
+import re
+import subprocess
+import sys
 
 from backends.stages import errors
 from backends.stages import triton_glue as g
@@ -72,11 +76,6 @@ def test_a_closed_response_sender_never_leaves_the_rest_of_the_batch_unanswered(
 def test_a_stage_process_logs_with_time_level_and_pid():
     """setup_env's log_to_stderr: a stage's warning in the server log carries Triton's line
     shape (was: the bare message, no time to place a failover's lines against Triton's)."""
-    import os
-    import re
-    import subprocess
-    import sys
-
     code = (
         "import logging\n"
         "from backends.stages import triton_glue as g\n"
