@@ -24,7 +24,7 @@ from backends.runtime import kv_quant
 from backends.runtime.engine import LLMEngine
 from backends.runtime.loader import load_runner
 from backends.runtime.paged import SeqInput
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from benchmarks.common import command_line, emit
 
 SMOL = "models/smollm2-135m-instruct"

@@ -106,7 +106,7 @@ def reference_outputs(reqs: list[dict]) -> dict[tuple, list[int]]:
 
     from backends.runtime.engine import LLMEngine
     from backends.runtime.loader import load_runner
-    from backends.runtime.sampler import SamplingParams
+    from backends.runtime.sampling_params import SamplingParams
     from backends.stages.params import StageParams
 
     torch.set_num_threads(1)

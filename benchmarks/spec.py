@@ -50,7 +50,7 @@ import torch
 from backends.runtime.dtypes import MODEL_DTYPES
 from backends.runtime.engine import LLMEngine
 from backends.runtime.loader import load_runner
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.runtime.spec import DraftSpec, SpecEngine, load_draft
 from backends.runtime.spec_eagle import spec_engine
 from backends.runtime.tokenizer import Tokenizer

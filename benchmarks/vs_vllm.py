@@ -71,7 +71,7 @@ class OursWorker:
     def __init__(self, model: str, dtype: str, page_size: int, root: str):
         import backends
         from backends.runtime.engine import LLMEngine
-        from backends.runtime.sampler import SamplingParams
+        from backends.runtime.sampling_params import SamplingParams
 
         try:
             from backends.runtime.loader import load_runner

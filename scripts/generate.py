@@ -22,7 +22,7 @@ from backends.runtime.dtypes import MODEL_DTYPES
 from backends.runtime.engine import LLMEngine
 from backends.runtime.kv_quant import KV_CACHE_DTYPES
 from backends.runtime.loader import load_runner
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.stages.params import StageParams
 
 DEFAULT_MODEL = "models/smollm2-135m-instruct"

@@ -70,8 +70,9 @@ from .paged import SeqInput
 from .prefix_cache import Lease, PrefixCache, check_prefix_cacheable
 from .recurrent.batch import RecurrentStateLost
 from .runner import ModelRunner
-from .sampler import SamplingParams, TokenLogprob, sample, token_logprobs
-from .sequence import FinishReason, SeqStatus, Sequence, check_context
+from .sampler import generator, sample, token_logprobs
+from .sampling_params import SamplingParams, TokenLogprob, check_context
+from .sequence import FinishReason, SeqStatus, Sequence
 from .window import WindowPlan, WindowTable, describe, pages_to_hold, plan_prefilled
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ class LLMEngine:
         self._validate(seq_id, prompt_ids, params)
         self._check_window_fits(len(prompt_ids), params.max_tokens, prefilled=False)
         seq = Sequence(seq_id, list(prompt_ids), params)
-        seq.generator = params.make_generator(self.runner.device)
+        seq.generator = generator(params, self.runner.device)
         seq.text = self._text_state(params)
         self.seqs[seq_id] = seq
         self.waiting.append(seq)
@@ -223,7 +224,7 @@ class LLMEngine:
             raise ValueError(f"first_token {first_token} outside the vocabulary")
         seq = Sequence(seq_id, list(prompt_ids), params, pages=list(pages), prefilled=True)
         seq.slot, seq.window = slot, window
-        seq.generator = params.make_generator(self.runner.device)
+        seq.generator = generator(params, self.runner.device)
         seq.output_ids.append(first_token)
         if params.logprobs is not None:
             seq.logprobs.append(first_logprob)  # reported with the first token at admission

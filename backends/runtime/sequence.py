@@ -8,19 +8,8 @@ from enum import IntEnum
 import torch
 
 from .detok import TextState
-from .sampler import SamplingParams, TokenLogprob
+from .sampling_params import SamplingParams, TokenLogprob
 from .window import WindowTable
-
-
-def check_context(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
-    """The context-limit rule, checked here only: ``prompt + max_tokens <= max_context``, so an
-    admitted request always runs to completion. ValueError otherwise."""
-    total = prompt_tokens + max_tokens
-    if total > max_context:
-        raise ValueError(
-            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total}"
-            f" exceeds the context limit of {max_context} tokens"
-        )
 
 
 class SeqStatus(IntEnum):

@@ -60,7 +60,8 @@ from .kv_pool import KVPool
 from .loader import load_runner
 from .paged import SeqInput
 from .runner import ModelRunner
-from .sampler import SamplingParams, TokenLogprob, _filter, penalize, scaled, token_logprobs
+from .sampler import _filter, penalize, scaled, token_logprobs
+from .sampling_params import SamplingParams, TokenLogprob
 from .sequence import Sequence
 
 # ---- draft models ------------------------------------------------------------------------------

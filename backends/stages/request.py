@@ -17,7 +17,7 @@ import secrets
 
 import msgspec
 
-from ..runtime.sampler import SamplingParams, TokenLogprob
+from ..runtime.sampling_params import SamplingParams, TokenLogprob
 
 REQUEST_TENSOR = "REQUEST"
 RESPONSE_TENSOR = "RESPONSE"

@@ -28,8 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..runtime.sampler import SamplingParams
-from ..runtime.sequence import check_context
+from ..runtime.sampling_params import SamplingParams, check_context
 from ..runtime.tokenizer import Tokenizer
 from .cancel import CancelSender
 from .compat import frontend_inputs
@@ -107,7 +106,7 @@ class Preprocessor:
     def __init__(self, params: StageParams, tokenizer: Tokenizer | None = None):
         self.params = params
         self.tok = tokenizer or Tokenizer(params.model_path)
-        self.vocab = len(self.tok.hf)
+        self.vocab = self.tok.vocab_size
 
     def prompt_ids(self, inputs: dict[str, Any], max_tokens: int | None = None) -> list[int]:
         """The prompt's token ids. A prompt that cannot fit the context with ``max_tokens``

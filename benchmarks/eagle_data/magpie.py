@@ -44,8 +44,7 @@ SENTINEL = "\x00USER\x00"
 def turn_prefix(tok, conversation: list[dict], starter: str) -> list[int]:
     """Token ids of ``conversation`` in the chat template followed by an open user turn that
     begins with ``starter`` (the template's own text up to where a user turn's words go)."""
-    text = tok.hf.apply_chat_template(conversation + [{"role": "user", "content": SENTINEL}],
-                                      tokenize=False)  # fmt: skip
+    text = tok.render_chat(conversation + [{"role": "user", "content": SENTINEL}], False)
     return tok.encode_text(text[: text.index(SENTINEL)] + starter, special=False)
 
 
@@ -55,7 +54,7 @@ def sample_turns(runner, tok, prefixes: list[tuple[list[int], str]], seed: int,
     where it did not end the turn within ``max_tokens``. Sequence ``i`` draws from its own
     seed (``seed`` and ``i``), so a result does not depend on the batch it ran in."""
     from backends.runtime.engine import LLMEngine
-    from backends.runtime.sampler import SamplingParams
+    from backends.runtime.sampling_params import SamplingParams
 
     if not prefixes:
         return []

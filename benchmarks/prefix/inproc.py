@@ -80,7 +80,7 @@ class InProcess:
             )
 
     def ask(self, ids: list[int], max_tokens: int, timeout: float = 600) -> Reply:
-        from backends.runtime.sampler import SamplingParams
+        from backends.runtime.sampling_params import SamplingParams
         from backends.stages.request import StageRequest
 
         done, rep = threading.Event(), Reply(sent=time.monotonic())

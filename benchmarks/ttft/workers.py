@@ -80,7 +80,7 @@ def _prefill_make(model, page_size, num_pages, threads, device, extra) -> dict:
 
 
 def _prefill_one(state: dict, req: dict) -> dict:
-    from backends.runtime.sampler import SamplingParams
+    from backends.runtime.sampling_params import SamplingParams
     from backends.stages.request import StageRequest
 
     worker, room, ids, groups = state["worker"], req["room"], req["ids"], req["groups"]
@@ -122,7 +122,7 @@ def _prefill_run(state: dict, reqs: list[dict]) -> list[dict]:
 def _prefill_submit(state: dict, reqs: list[dict]) -> dict:
     """Submit every room as serving does (computed once decode registered, batched up to
     ``prefill_batch_tokens``) and answer at once; ``wait`` answers when all are done."""
-    from backends.runtime.sampler import SamplingParams
+    from backends.runtime.sampling_params import SamplingParams
     from backends.stages.request import StageRequest
 
     worker, done, errors = state["worker"], threading.Event(), []
@@ -184,7 +184,7 @@ def _decode_register(state: dict, arg: dict) -> dict:
     """Submit every room at once (streaming, max_tokens=1), wait until all ended; room ->
     result: ``t_first`` when the client got the first token (prefill sends it before the KV
     lands), ``t_done`` when decode ran the room (its KV landed)."""
-    from backends.runtime.sampler import SamplingParams
+    from backends.runtime.sampling_params import SamplingParams
     from backends.stages.request import StageRequest
 
     worker, done, first, cond = state["worker"], {}, {}, threading.Condition()

@@ -149,7 +149,7 @@ def test_penalties_change_the_output_and_are_seeded(client):
 def test_logprobs_equal_the_runtimes_log_softmax(client, reference):
     from backends.runtime.engine import LLMEngine
     from backends.runtime.loader import load_runner
-    from backends.runtime.sampler import SamplingParams
+    from backends.runtime.sampling_params import SamplingParams
 
     r = client.chat.completions.create(
         model=NAME, messages=[{"role": "user", "content": Q}], max_tokens=6,

@@ -59,7 +59,7 @@ def colocated(ids: list[list[int]], max_tokens: int) -> list[list[int]]:
 
     from backends.runtime.engine import LLMEngine
     from backends.runtime.loader import load_runner
-    from backends.runtime.sampler import SamplingParams
+    from backends.runtime.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
     runner = load_runner(MODEL)

@@ -52,7 +52,7 @@ def colocated_stats(model_dir: str, spec: dict, prompts: list[list[int]]) -> dic
     import torch
 
     from backends.runtime.loader import load_runner
-    from backends.runtime.sampler import SamplingParams
+    from backends.runtime.sampling_params import SamplingParams
     from backends.runtime.spec import DraftSpec
     from backends.runtime.spec_eagle import spec_engine
     from backends.stages.draft import load_stage_draft, make_draft_pool

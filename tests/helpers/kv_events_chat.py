@@ -11,7 +11,7 @@ import runtime_models as rm
 from backends.runtime.engine import LLMEngine
 from backends.runtime.prefix_cache import KVEventBatch, PrefixCache, encode_batch, external
 from backends.runtime.prefix_cache.hashing import block_hashes
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 
 P = 4
 

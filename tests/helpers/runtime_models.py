@@ -345,7 +345,7 @@ def assert_greedy_generate_matches(kind: str, runner, seed: int, n: int = 32) ->
     """The runtime engine's greedy continuation of a random prompt equals transformers'
     token for token (all ``n`` tokens: no early EOS, not a degenerate repetition)."""
     from backends.runtime.engine import LLMEngine
-    from backends.runtime.sampler import SamplingParams
+    from backends.runtime.sampling_params import SamplingParams
 
     prompt = random_prompt(5 + 4 * seed, seed=seed)
     expected = hf_greedy(kind, prompt, n)
@@ -415,7 +415,7 @@ def assert_slots_join_and_leave(kind: str, runner) -> None:
     slots: sequences wait for a slot, join a running batch and leave it; each output equals
     transformers' greedy continuation, and every page and slot is back at the end."""
     from backends.runtime.engine import LLMEngine
-    from backends.runtime.sampler import SamplingParams
+    from backends.runtime.sampling_params import SamplingParams
 
     lengths, budgets = [5, 131, 23, 70], [12, 7, 20, 9]
     prompts = [random_prompt(n, seed=10 + i) for i, n in enumerate(lengths)]

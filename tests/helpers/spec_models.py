@@ -9,7 +9,7 @@ import torch
 from backends.runtime.engine import LLMEngine
 from backends.runtime.paged import SeqInput
 from backends.runtime.runner import ModelRunner
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.runtime.spec import DraftSpec, SpecEngine
 
 

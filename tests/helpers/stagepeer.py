@@ -166,7 +166,7 @@ def _slow_forwards(worker, delay: float, started: threading.Event) -> dict:
 def _submit(worker, reqs, results: dict) -> None:
     """Submit every (room, prompt) as serving does; ``results[room]`` = (first token, error)
     once the worker answered it."""
-    from backends.runtime.sampler import SamplingParams
+    from backends.runtime.sampling_params import SamplingParams
     from backends.stages.request import StageRequest
 
     def on_done(res):
@@ -194,7 +194,7 @@ def _close(worker, join_s: float, started: threading.Event, log: dict, results: 
 
 
 def _submit_all(worker, reqs) -> list:
-    from backends.runtime.sampler import SamplingParams
+    from backends.runtime.sampling_params import SamplingParams
     from backends.stages.request import StageRequest
 
     results, done = {}, threading.Event()
@@ -215,7 +215,7 @@ def _serve(conn, params_kwargs: dict, fail_role: str | None, fence_delay: float,
            batch_of: int = 0, fail_room: int | None = None, faults: dict | None = None,
            ) -> None:  # fmt: skip
     os.environ.setdefault("GLOG_minloglevel", "2")
-    from backends.runtime.sampler import SamplingParams
+    from backends.runtime.sampling_params import SamplingParams
     from backends.stages.params import StageParams
     from backends.stages.prefill import PrefillWorker
     from backends.stages.request import StageRequest

@@ -207,18 +207,10 @@ def suite() -> dict[str, tuple[dict, float]]:
 RUNTIME_KINDS = ("llama", "mistral", "deepseek_v3", "gpt_oss")
 
 
-def runtime_cases() -> dict[str, dict]:
-    """Tiny models through the runtime with every attention call on the Triton kernel (the CUDA
-    path, here interpreted on CPU tensors): prefill logits, a prefill in two chunks (the second
-    one attends to pages written by the first), and greedy decode, against transformers.
-    -> name -> {"error": ..., "seconds": ...}."""
-    import runtime_models as rm
-
+def count_kernel_calls() -> list:
+    """Route the runtime's attention to the Triton kernel on CPU tensors too, and count its
+    calls: one entry a call in the returned list."""
     from backends.runtime import cuda_attn
-    from backends.runtime.engine import LLMEngine
-    from backends.runtime.loader import load_runner
-    from backends.runtime.paged import SeqInput
-    from backends.runtime.sampler import SamplingParams
 
     cuda_attn.DEVICE_TYPES = ("cuda", "cpu")
     calls = []
@@ -229,6 +221,22 @@ def runtime_cases() -> dict[str, dict]:
         return kernel(*a, **kw)
 
     cuda_attn._module.paged_attention = counted
+    return calls
+
+
+def runtime_cases(calls: list) -> dict[str, dict]:
+    """Tiny models through the runtime with every attention call on the Triton kernel (the CUDA
+    path, here interpreted on CPU tensors): prefill logits, a prefill in two chunks (the second
+    one attends to pages written by the first), and greedy decode, against transformers.
+    -> name -> {"error": ..., "seconds": ...}."""
+    import runtime_models as rm
+
+    from backends.runtime import cuda_attn
+    from backends.runtime.engine import LLMEngine
+    from backends.runtime.loader import load_runner
+    from backends.runtime.paged import SeqInput
+    from backends.runtime.sampling_params import SamplingParams
+
     results = {}
     for kind in RUNTIME_KINDS:
         t0, err = time.perf_counter(), None
@@ -261,8 +269,6 @@ def runtime_cases() -> dict[str, dict]:
         except AssertionError as e:
             err = str(e) or repr(e)
         results[f"runtime-{kind}"] = _verdict(err, t0)
-    results.update(graph_cases(calls))
-    results.update(fp8_cases(calls))
     return results
 
 
@@ -346,7 +352,7 @@ def _graph_case(kind: str, fused: str, fallback: bool) -> dict:
     from backends.runtime import attention, cuda_attn
     from backends.runtime.engine import LLMEngine
     from backends.runtime.loader import load_runner
-    from backends.runtime.sampler import SamplingParams
+    from backends.runtime.sampling_params import SamplingParams
 
     captured = []
 
@@ -389,19 +395,9 @@ def _graph_case(kind: str, fused: str, fallback: bool) -> dict:
     return _verdict(err, t0)
 
 
-def main() -> None:
-    import importlib.util
-
-    root = os.path.join(os.path.dirname(__file__), "..", "..")
-    path = os.path.join(root, "backends", "runtime", "triton_attn.py")
-    spec = importlib.util.spec_from_file_location("triton_attn", path)
-    ta = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ta)
-    only = sys.argv[1:]
+def kernel_cases(ta) -> dict[str, dict]:
     results = {}
     for name, (kw, tol) in suite().items():
-        if only and name not in only:
-            continue
         t0 = time.perf_counter()
         out, ref = run_case(ta, **kw)
         err = None
@@ -415,8 +411,33 @@ def main() -> None:
             "ref_max": float(ref.abs().max()),
             "seconds": time.perf_counter() - t0,
         }
-    if not only or any(n.startswith("runtime-") for n in only):
-        results.update(runtime_cases())
+    return results
+
+
+# the parts a process can run (argv: their names; none: all), about equal in time so that the
+# test runs them in parallel processes: 15-20 s each on the 2-core CI machine
+PARTS = ("kernels", "models", "graphs")
+
+
+def main() -> None:
+    import importlib.util
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    path = os.path.join(root, "backends", "runtime", "triton_attn.py")
+    spec = importlib.util.spec_from_file_location("triton_attn", path)
+    ta = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ta)
+    parts = sys.argv[1:] or PARTS
+    results = {}
+    if "kernels" in parts:
+        results.update(kernel_cases(ta))
+    if "models" in parts or "graphs" in parts:
+        calls = count_kernel_calls()
+        if "models" in parts:
+            results.update(runtime_cases(calls))
+            results.update(fp8_cases(calls))
+        if "graphs" in parts:
+            results.update(graph_cases(calls))
     print(json.dumps(results))
 
 

@@ -13,7 +13,7 @@ import pytest
 from runtime_models import checkpoint, random_prompt
 from stagepeer import Collector, PrefillProcess, tiny_params
 
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.stages.decode import DecodeWorker
 from backends.stages.params import StageParams
 from backends.stages.request import StageRequest

@@ -23,7 +23,7 @@ from backends.runtime.engine import LLMEngine
 from backends.runtime.kv_pool import KVPool
 from backends.runtime.loader import load_runner
 from backends.runtime.paged import SeqInput
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.runtime.spec import DraftSpec
 from backends.runtime.spec_eagle import spec_engine
 from backends.stages.decode import DecodeWorker

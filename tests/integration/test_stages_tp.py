@@ -19,7 +19,7 @@ from draft_models import hf_greedy_at, mla_target_gqa_draft
 from runtime_models import checkpoint, random_prompt
 from stagepeer import Collector, tiny_params
 
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.stages.decode import DecodeWorker
 from backends.stages.params import StageParams
 from backends.stages.prefill import PrefillWorker

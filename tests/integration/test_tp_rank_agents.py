@@ -18,7 +18,7 @@ import torch
 
 from backends.runtime.engine import LLMEngine
 from backends.runtime.loader import load_runner
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from kvtransfer import TransferConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -11,7 +11,7 @@ import torch
 
 from backends.runtime.engine import LLMEngine
 from backends.runtime.loader import load_runner
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

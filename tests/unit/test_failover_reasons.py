@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import deque
 from types import SimpleNamespace
 
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.stages.decode.failover import Failover
 from backends.stages.decode.state import ActiveRequest, Phase
 from backends.stages.request import StageRequest

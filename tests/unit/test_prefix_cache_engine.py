@@ -15,7 +15,7 @@ import torch
 from backends.runtime.engine import LLMEngine
 from backends.runtime.loader import load_runner
 from backends.runtime.prefix_cache import PrefixCache
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.runtime.sequence import FinishReason
 from backends.runtime.spec import DraftSpec, SpecEngine, load_draft
 

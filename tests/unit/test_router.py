@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.stages import errors
 from backends.stages.request import StageRequest
 from backends.stages.router import NoPrefillServer, PrefillRouter, Refused, ServerState

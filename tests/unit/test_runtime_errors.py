@@ -17,7 +17,7 @@ from backends.runtime.config import (
 from backends.runtime.engine import LLMEngine
 from backends.runtime.kv_pool import OutOfPagesError
 from backends.runtime.loader import load_runner
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

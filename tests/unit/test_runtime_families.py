@@ -25,7 +25,7 @@ from backends.runtime.config import ModelConfig, UnsupportedArchitectureError
 from backends.runtime.engine import LLMEngine
 from backends.runtime.loader import load_runner
 from backends.runtime.paged import SeqInput
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.runtime.spec import load_draft, self_draft
 
 KINDS = ["qwen3", "qwen3_moe", "gemma3", "gpt_oss"]

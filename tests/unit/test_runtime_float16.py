@@ -14,7 +14,7 @@ import torch
 from backends.runtime.dtypes import MODEL_DTYPES, model_dtype
 from backends.runtime.engine import LLMEngine
 from backends.runtime.loader import load_runner
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 
 KINDS = ["llama", "qwen2", "mistral", "deepseek_v3", "deepseek_v2"]
 MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "models", "smollm2-135m-instruct")

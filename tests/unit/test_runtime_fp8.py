@@ -18,7 +18,7 @@ from backends.runtime.decode_attn import cpu_decode_attention
 from backends.runtime.engine import LLMEngine
 from backends.runtime.loader import load_runner
 from backends.runtime.paged import BatchMeta, SeqInput, paged_attention
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from kvtransfer.memory.layout import EntryLayout, check_compatible
 
 FP8 = "float8_e4m3fn"

@@ -24,7 +24,7 @@ from backends.runtime.loader import load_runner
 from backends.runtime.paged import BatchMeta
 from backends.runtime.prefill_attn import cpu_prefill_attention
 from backends.runtime.rope import RotaryEmbedding
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

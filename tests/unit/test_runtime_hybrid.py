@@ -19,7 +19,7 @@ from backends.runtime.engine import LLMEngine
 from backends.runtime.loader import load_runner
 from backends.runtime.paged import SeqInput
 from backends.runtime.recurrent.batch import RecurrentStateLost
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.runtime.spec import load_draft
 from backends.runtime.state_pool import OutOfSlotsError
 from backends.runtime.weights import runtime_name

@@ -7,7 +7,8 @@ import runtime_models as rm
 import torch
 
 from backends.runtime.engine import LLMEngine
-from backends.runtime.sampler import SamplingParams, sample
+from backends.runtime.sampler import generator, sample
+from backends.runtime.sampling_params import SamplingParams
 from backends.runtime.sequence import FinishReason
 from backends.runtime.spec import DraftSpec, SpecEngine, self_draft
 
@@ -17,10 +18,10 @@ PROMPTS = [rm.random_prompt(n, seed=n) for n in (5, 9, 14)]
 def test_extreme_temperatures_sample_without_errors():
     logits = torch.tensor([[1.0, 30.0, 2.0], [0.0, -5.0, 7.5]])  # 30 / 1e-38 overflows float32
     tiny = [SamplingParams(temperature=1e-38, seed=1), SamplingParams(temperature=1e-30, seed=2)]
-    gens = [p.make_generator() for p in tiny]
+    gens = [generator(p) for p in tiny]
     assert sample(logits, tiny, gens) == [1, 2]  # the greedy limit, not an inf/nan error
     huge = [SamplingParams(temperature=1e30, seed=s) for s in range(40)]
-    got = {sample(logits[:1], [p], [p.make_generator()])[0] for p in huge}
+    got = {sample(logits[:1], [p], [generator(p)])[0] for p in huge}
     assert got == {0, 1, 2}  # the uniform limit
 
 

@@ -13,7 +13,7 @@ from backends.runtime.engine import LLMEngine
 from backends.runtime.kernels import SMALL_ROWS, KernelSettings, Linear, slow_bf16_gemm
 from backends.runtime.loader import load_runner
 from backends.runtime.paged import SeqInput
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8, 33, SMALL_ROWS, SMALL_ROWS + 1])

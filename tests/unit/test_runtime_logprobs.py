@@ -9,7 +9,8 @@ import torch
 
 from backends.runtime.engine import LLMEngine
 from backends.runtime.paged import SeqInput
-from backends.runtime.sampler import SamplingParams, TokenLogprob, token_logprobs
+from backends.runtime.sampler import token_logprobs
+from backends.runtime.sampling_params import SamplingParams, TokenLogprob
 
 TOL = 1e-4 if rm.DEVICE == "cpu" else 2e-3
 

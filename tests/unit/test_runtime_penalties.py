@@ -11,7 +11,8 @@ import runtime_models as rm
 import torch
 
 from backends.runtime.engine import LLMEngine
-from backends.runtime.sampler import SamplingParams, penalize, sample
+from backends.runtime.sampler import generator, penalize, sample
+from backends.runtime.sampling_params import SamplingParams
 
 TOL = 1e-5
 
@@ -75,7 +76,7 @@ def test_penalize_without_histories_or_penalties_is_free():
 
 def test_greedy_is_argmax_of_penalised_logits():
     logits, params, hist = _random_case(4)
-    gens = [p.make_generator() for p in params]
+    gens = [generator(p) for p in params]
     want = [
         max(range(logits.shape[1]), key=ref_penalize(logits[i].tolist(), p, *hist[i]).__getitem__)
         for i, p in enumerate(params)
@@ -91,7 +92,7 @@ def test_seeded_sampling_with_penalties_is_deterministic():
 
     def draws(seed, **pen):
         p = SamplingParams(temperature=1.0, seed=seed, **pen)
-        g = p.make_generator()
+        g = generator(p)
         return [sample(logits, [p], [g], histories=hist)[0] for _ in range(40)]
 
     pen = dict(frequency_penalty=2.0, presence_penalty=2.0, repetition_penalty=3.0)

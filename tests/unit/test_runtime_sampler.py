@@ -6,13 +6,14 @@ import runtime_models as rm
 import torch
 
 from backends.runtime.loader import load_runner
-from backends.runtime.sampler import SamplingParams, sample
+from backends.runtime.sampler import generator, sample
+from backends.runtime.sampling_params import SamplingParams
 
 
 def test_greedy_and_top_k_1_pick_argmax():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=1, seed=3)] * 2
-    gens = [p.make_generator() for p in params]
+    gens = [generator(p) for p in params]
     assert sample(logits, params, gens) == logits.argmax(-1).tolist()
 
 
@@ -31,7 +32,7 @@ def test_seeded_sampling_reproducible_and_varied():
     draws = []
     for seed in (1, 1, 2):
         p = SamplingParams(temperature=0.8, seed=seed)
-        g = p.make_generator()
+        g = generator(p)
         draws.append([sample(logits, [p], [g])[0] for _ in range(5)])
     assert draws[0] == draws[1] and draws[0] != draws[2]
 

@@ -12,7 +12,7 @@ import runtime_models as rm
 
 from backends.runtime.engine import LLMEngine
 from backends.runtime.loader import load_runner
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 

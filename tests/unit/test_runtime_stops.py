@@ -13,7 +13,7 @@ from backends.runtime.detok import TextState
 from backends.runtime.engine import LLMEngine
 from backends.runtime.loader import load_runner
 from backends.runtime.paged import SeqInput
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.runtime.sequence import FinishReason
 
 MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "models", "smollm2-135m-instruct")
@@ -135,13 +135,13 @@ def real_tok():
 @pytest.mark.parametrize("seed", range(30))
 def test_random_streams_real_tokenizer(real_tok, seed):
     text = "Héllo wörld! The café costs 3€; naïve 日本語 emojis 🙂🎉 and\n  spaces.  End."
-    pool = real_tok.encode(text) + real_tok.hf("🙂 日本", add_special_tokens=False).input_ids
-    _check_random_stream(real_tok, seed, vocab=len(real_tok.hf), n=50, pool=pool)
+    pool = real_tok.encode(text) + real_tok.encode_text("🙂 日本", special=False)
+    _check_random_stream(real_tok, seed, vocab=real_tok.vocab_size, n=50, pool=pool)
 
 
 @pytest.mark.slow
 def test_real_tokenizer_stop_inside_a_word(real_tok):
-    ids = real_tok.hf("The answer is 42. Next question", add_special_tokens=False).input_ids
+    ids = real_tok.encode_text("The answer is 42. Next question", special=False)
     st = TextState(real_tok, ("swer is 4", "Next"))
     text, _ = stream(st, ids)
     assert text == "The an" and st.stop_str == "swer is 4"

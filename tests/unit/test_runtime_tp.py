@@ -17,7 +17,7 @@ from backends.runtime.engine import LLMEngine
 from backends.runtime.loader import load_runner
 from backends.runtime.paged import SeqInput
 from backends.runtime.runner import ModelRunner
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.runtime.tp.runner import TPModelRunner
 
 KINDS = ["qwen2_kv2", "qwen2", "deepseek_v2", "deepseek_v3"]

@@ -21,7 +21,7 @@ import torch
 from backends.runtime.engine import LLMEngine
 from backends.runtime.loader import load_runner
 from backends.runtime.paged import SeqInput
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.runtime.state_pool import pool_entries
 from backends.runtime.tp.comm import TPGroup, join_store, make_store
 from backends.runtime.tp.rank import ShardRunner, load_config, load_shard

@@ -11,7 +11,7 @@ import runtime_models as rm
 from backends.runtime.engine import LLMEngine
 from backends.runtime.loader import load_runner
 from backends.runtime.runner import ModelRunner
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.runtime.tokenizer import Tokenizer
 from backends.runtime.tp.shard import TensorParallelConfigError
 

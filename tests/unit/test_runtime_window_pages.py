@@ -27,7 +27,7 @@ from backends.runtime.engine import LLMEngine
 from backends.runtime.kv_pool import KVPool
 from backends.runtime.loader import load_runner
 from backends.runtime.paged import SeqInput
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.runtime.spec import load_draft, self_draft
 from backends.runtime.state_pool import pool_entries
 from backends.runtime.window import WindowTable, pages_to_hold, plan_prefilled, window_bound

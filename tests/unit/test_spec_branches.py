@@ -11,7 +11,7 @@ import spec_models as sm
 import torch
 from eagle_heads import random_head, trained_head
 
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.runtime.spec import DraftSpec, load_draft
 from backends.runtime.spec_branches import Branches
 from backends.runtime.spec_eagle import EagleSpecEngine, spec_engine

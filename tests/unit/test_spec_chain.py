@@ -14,7 +14,7 @@ from eagle_heads import random_head
 from test_spec_sampling import CHI2_999, _chi2, _tv
 
 from backends.runtime.paged import SeqInput
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.runtime.sequence import FinishReason, Sequence
 from backends.runtime.spec import DraftChain, DraftSpec, load_draft, probs, self_draft
 from backends.runtime.spec_eagle import spec_engine

@@ -226,7 +226,7 @@ def test_sampling_with_a_head_follows_the_target_distribution(llama):
     random head would hardly ever overlap the target's top 5), through the real head call."""
     from test_spec_sampling import CHI2_999, _chi2, _tv
 
-    from backends.runtime.sampler import SamplingParams
+    from backends.runtime.sampling_params import SamplingParams
     from backends.runtime.spec import probs
 
     n, prompt, first = 1500, rm.random_prompt(6, seed=5), 7

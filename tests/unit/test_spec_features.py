@@ -14,7 +14,8 @@ from fake_text import ByteTokenizer
 from test_spec_sampling import CHI2_999, _chi2, _tv
 
 from backends.runtime.engine import LLMEngine
-from backends.runtime.sampler import SamplingParams, penalize
+from backends.runtime.sampler import penalize
+from backends.runtime.sampling_params import SamplingParams
 from backends.runtime.spec import DraftSpec, SpecEngine, probs, self_draft
 
 TOL = 1e-4 if rm.DEVICE == "cpu" else 2e-3

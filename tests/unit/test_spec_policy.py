@@ -13,7 +13,7 @@ import torch
 from eagle_heads import add_same_prompt, random_head
 
 from backends.runtime.draft_policy import AdaptiveDrafting, DraftPolicy
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.runtime.spec import DraftSpec, SpecEngine, load_draft, self_draft
 from backends.runtime.spec_eagle import spec_engine
 

@@ -6,7 +6,7 @@ import runtime_models as rm
 import spec_models as sm
 import torch
 
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.runtime.spec import accept_sampled, probs
 
 CHI2_999 = {4: 18.47, 5: 20.52}  # chi-square 99.9% quantiles by degrees of freedom

@@ -13,7 +13,7 @@ import pytest
 
 from backends.runtime.engine import LLMEngine
 from backends.runtime.loader import load_runner
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.runtime.spec import DraftSpec, SpecEngine, self_draft
 from backends.runtime.tokenizer import Tokenizer
 

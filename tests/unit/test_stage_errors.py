@@ -100,5 +100,5 @@ def test_the_bound_never_exceeds_a_real_token_count():
         for special in (True, False):
             n = len(tok.encode_text(text, special))
             assert n >= math.ceil(len(text.encode()) / bound), text
-    longest = max(tok.hf.get_vocab().values(), key=lambda i: len(tok.decode([i], False).encode()))
+    longest = max(tok.raw.get_vocab().values(), key=lambda i: len(tok.decode([i], False).encode()))
     assert len(tok.decode([longest], False).encode()) <= bound

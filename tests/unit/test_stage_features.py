@@ -9,10 +9,11 @@ import os
 
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
 from backends.openai import protocol as oai
 from backends.openai.errors import APIError
-from backends.runtime.sampler import SamplingParams, TokenLogprob
+from backends.runtime.sampling_params import SamplingParams, TokenLogprob
 from backends.stages import request as rq
 from backends.stages.compat import frontend_inputs
 from backends.stages.params import StageParams
@@ -67,8 +68,9 @@ def test_preprocess_default_max_tokens_chat_messages_and_echo(pre):
     assert req.sampling.max_tokens == 7 and req.echo and req.stream
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     chat = pre.build({"messages": json.dumps(msgs)})
-    want = pre.tok.hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    assert chat.prompt_ids == pre.tok.hf(want, add_special_tokens=False).input_ids
+    hf = AutoTokenizer.from_pretrained(MODEL)  # the independent reference
+    want = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert chat.prompt_ids == hf(want, add_special_tokens=False).input_ids
     one = pre.build({"text_input": "Hi", "apply_chat_template": [True]})
     assert one.prompt_ids == pre.build({"messages": json.dumps(msgs[1:])}).prompt_ids
     for bad, msg in (

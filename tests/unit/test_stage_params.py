@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from backends.runtime.sampler import SamplingParams
+from backends.runtime.sampling_params import SamplingParams
 from backends.stages import ensemble_io, metrics, params
 from backends.stages import request as rq
 from backends.stages.params import StageParams, from_triton_config, instance_index, parse_params

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ...runtime.detok import TextState
 from ...runtime.prefix_cache import Lease
-from ...runtime.sampler import TokenLogprob
+from ...runtime.sampling_params import TokenLogprob
 from ..request import StageRequest
 
 

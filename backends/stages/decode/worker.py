@@ -42,7 +42,7 @@ from kvtransfer import KVReceiver, RoomStatus
 from ...runtime.detok import TextState
 from ...runtime.engine import LLMEngine, StepOutput
 from ...runtime.runner import ModelRunner
-from ...runtime.sequence import check_context
+from ...runtime.sampling_params import check_context
 from ...runtime.spec import DraftSpec
 from ...runtime.spec_eagle import spec_engine
 from ...runtime.state_pool import pool_entries, slot_of

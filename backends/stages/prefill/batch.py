@@ -43,7 +43,7 @@ from ...runtime.kv_pool import KVPool
 from ...runtime.paged import SeqInput
 from ...runtime.prefix_cache import Lease
 from ...runtime.runner import ModelRunner
-from ...runtime.sampler import sample, token_logprobs
+from ...runtime.sampler import generator, sample, token_logprobs
 from ...runtime.state_pool import slot_of
 from ..draft import DRAFT, copy_prefix_kv
 from ..policy import LayerGroupPolicy
@@ -234,7 +234,7 @@ def _first_tokens(ctx: BatchContext, members, live, logits, drop) -> None:
     rows = [i for i, m in enumerate(members) if m in live]
     batch = [members[i] for i in rows]
     sps = [m.req.sampling for m in batch]
-    gens = [sp.make_generator(ctx.runner.device) for sp in sps]
+    gens = [generator(sp, ctx.runner.device) for sp in sps]
     errors: dict[int, str] = {}
     hist = [(m.req.prompt_ids, []) for m in batch]
     firsts = sample(logits[rows], sps, gens, errors=errors, histories=hist)
