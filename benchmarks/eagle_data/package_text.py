@@ -85,6 +85,7 @@ def snippets(package: str) -> dict[str, list[str]]:
             tree = ast.parse(src)
         except SyntaxError:
             continue
+        lines = src.splitlines()
         for node in ast.walk(tree):
             if not isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                 continue
@@ -95,7 +96,6 @@ def snippets(package: str) -> dict[str, list[str]]:
                     out["text"].append(para)
             body = node.body[1:] if doc else node.body  # without the docstring
             if isinstance(node, ast.FunctionDef) and body and not node.decorator_list:
-                lines = src.splitlines()
                 code = lines[node.lineno - 1 : node.lineno]  # the def line
                 code += lines[body[0].lineno - 1 : body[-1].end_lineno]
                 if 4 <= len(code) <= 16 and sum(map(len, code)) <= 900:
@@ -109,11 +109,12 @@ def _dedent(text: str) -> str:
     return "\n".join(x[pad:] for x in lines)
 
 
-def prompts(n: int, seed: int) -> list[list[dict]]:
-    """``n`` distinct one-turn conversations over both packages' snippets: a third code, a third
-    functions, a third prose (as far as each lasts)."""
+def prompts(n: int, seed: int, packages=tuple(PACKAGES)) -> list[list[dict]]:
+    """``n`` distinct one-turn conversations over the packages' snippets (both by default; sympy
+    takes 12 s of parsing, networkx under 2): a third code, a third functions, a third prose (as
+    far as each lasts)."""
     pools: dict[str, list[str]] = {"text": [], "code": [], "function": []}
-    for package in PACKAGES:
+    for package in packages:
         for kind, xs in snippets(package).items():
             pools[kind] += xs
     asks = {"text": TEXT_ASKS, "code": CODE_ASKS, "function": FUNCTION_ASKS}

@@ -4,6 +4,7 @@ result (table, or one JSON object; ``--out``: OUT.json and OUT.png)."""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -134,6 +135,9 @@ def main(argv=None) -> int:
             json.dump(out, f, indent=1)
             f.write("\n")
         if len(res) >= 2:
+            # the runs left a large heap that every collection of matplotlib's many objects
+            # walked: the plot took 5.8 s, 0.8 s with the heap frozen (1.4 s in a fresh process)
+            gc.freeze()
             plot(res, args.out + ".png")
     if args.json:
         print(json.dumps(out))

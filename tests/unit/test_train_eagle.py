@@ -268,7 +268,7 @@ def test_training_prompts_stay_out_of_the_evaluation_sets():
 def test_package_text_prompts_are_code_functions_and_prose():
     from benchmarks.eagle_data import package_text
 
-    ps = package_text.prompts(30, 0)
+    ps = package_text.prompts(30, 0, packages=("networkx",))  # sympy: the same code, 12 s more
     assert len(ps) == 30 and len({p[0]["content"] for p in ps}) == 30
     texts = [p[0]["content"] for p in ps]
     assert sum("```python" in t for t in texts) >= 8
