@@ -231,7 +231,6 @@ def runtime_cases(calls: list) -> dict[str, dict]:
     -> name -> {"error": ..., "seconds": ...}."""
     import runtime_models as rm
 
-    from backends.runtime import cuda_attn
     from backends.runtime.engine import LLMEngine
     from backends.runtime.loader import load_runner
     from backends.runtime.paged import SeqInput
