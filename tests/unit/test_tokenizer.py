@@ -71,9 +71,9 @@ def _save(path, tok: RawTokenizer, template_file: bool = False, **config) -> str
 
 def byte_bpe(path) -> str:
     specials = ["<s>", "</s>", "<unk>"]
-    tok = _trained(models.BPE(unk_token="<unk>"),
-                   trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok = _trained(models.BPE(unk_token="<unk>"), trainer,
                    pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel())  # fmt: skip
     tok.post_processor = processors.ByteLevel(trim_offsets=True)
     return _save(path, tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
@@ -164,7 +164,8 @@ def test_the_text_stages_start_without_torch_or_transformers():
         "from backends.stages import triton_glue\n"
         "from backends.stages.text import Postprocessor, Preprocessor\n"
         f"p = StageParams(model_dir={SMOLLM2!r})\n"
-        "ids = Preprocessor(p).build({'text_input': 'Hi', 'apply_chat_template': [True]}).prompt_ids\n"
+        "req = Preprocessor(p).build({'text_input': 'Hi', 'apply_chat_template': [True]})\n"
+        "ids = req.prompt_ids\n"
         "Postprocessor(p)\n"
         "print(len(ids), sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
     )
