@@ -73,8 +73,8 @@ def byte_bpe(path) -> str:
     specials = ["<s>", "</s>", "<unk>"]
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok = _trained(models.BPE(unk_token="<unk>"), trainer,
-                   pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel())  # fmt: skip
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok = _trained(models.BPE(unk_token="<unk>"), trainer, pre, decoders.ByteLevel())
     tok.post_processor = processors.ByteLevel(trim_offsets=True)
     return _save(path, tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                  add_bos_token=True, chat_template=TEMPLATE)  # fmt: skip
