@@ -106,9 +106,7 @@ class Tokenizer:
         the chat."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template: send text_input instead")
-        return chat_template.render(
-            self.chat_template, messages, generation_prompt, **self.special
-        )
+        return chat_template.render(self.chat_template, messages, generation_prompt, **self.special)
 
     def encode_text(self, text: str, special: bool = True) -> list[int]:
         """Token ids of ``text`` as is (``special``: with the tokenizer's BOS and the like)."""

@@ -35,7 +35,7 @@ TEXTS = [
     "Hello world", " leading space", "What is the capital of France?", "🙂 日本 naïve café",
     "a\n\n\tb  c", "", "it 's don 't . , ! ?", "def f(x):\n    return x ** 2",
     "<s> inside </s> the text", "<|im_start|>user\nhi<|im_end|>", "x" * 300,
-]
+]  # fmt: skip
 CHATS = [
     [{"role": "user", "content": "Hi"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 'Say "<b>" 日本'},
@@ -71,8 +71,11 @@ def _save(path, tok: RawTokenizer, template_file: bool = False, **config) -> str
 
 def byte_bpe(path) -> str:
     specials = ["<s>", "</s>", "<unk>"]
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok = _trained(models.BPE(unk_token="<unk>"), trainer, pre, decoders.ByteLevel())
     tok.post_processor = processors.ByteLevel(trim_offsets=True)
@@ -87,7 +90,8 @@ def wordpiece(path) -> str:
                    pre_tokenizers.BertPreTokenizer(), decoders.WordPiece(),
                    normalizers.BertNormalizer(lowercase=True))  # fmt: skip
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B [SEP]",
         special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
     )
     return _save(path, tok, unk_token="[UNK]", pad_token="[PAD]", bos_token="[CLS]",
