@@ -1,7 +1,8 @@
 """Test harness: one prefill or decode side of kvtransfer in its own OS process.
 
-The test process drives a peer through ``PeerProcess.call(method, ...)`` (multiprocessing pipe,
-'spawn' context, so every peer has its own Mooncake engine). Buffers are numpy arrays; a tiny
+The test process drives a peer through ``PeerProcess.call(method, ...)`` (multiprocessing pipe;
+every peer its own process with its own Mooncake engine, forked from :mod:`peer_procs`'s
+forkserver). Buffers are numpy arrays; a tiny
 page allocator per entry lets tests check that every page is freed exactly once.
 """
 
@@ -16,6 +17,8 @@ import time
 import traceback
 
 import numpy as np
+
+from tests.helpers import peer_procs
 
 LAYOUTS = {
     # name -> EntryLayout kwargs without num_pages/base_addr
@@ -383,11 +386,10 @@ class PeerProcess:
     def __init__(
         self, side: str, entries: dict, config: dict | None = None, seed: int = 0, device=None
     ):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
+        self.conn, child = mp.Pipe()
         device = device or os.environ.get("PD_TEST_DEVICE", "cpu")
         args = (child, side, entries, dict(config or {}), seed, device)
-        self.proc = ctx.Process(target=serve, args=args, daemon=True)
+        self.proc = peer_procs.process(serve, args)
         self.proc.start()
         self.info = self._recv(timeout=60)
 

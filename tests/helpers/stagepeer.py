@@ -25,6 +25,8 @@ import sys
 import threading
 import time
 
+from tests.helpers import peer_procs
+
 
 def tiny_params(model_dir: str, num_pages: int = 64, **kw) -> dict:
     """Stage parameters of the integration tests' tiny-model stages (both sides): pages of 4
@@ -279,11 +281,10 @@ class PrefillProcess:
                  batch_of: int = 0, fail_room: int | None = None, fail_batch: str | None = None,
                  slow_forward_s: float = 0.0, skip_role: str | None = None,
                  **params_kwargs):  # fmt: skip
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
+        self.conn, child = mp.Pipe()
         faults = dict(fail_batch=fail_batch, slow_forward_s=slow_forward_s, skip_role=skip_role)
         args = (child, params_kwargs, fail_role, fence_delay_s, batch_of, fail_room, faults)
-        self.proc = ctx.Process(target=_serve, args=args, daemon=True)
+        self.proc = peer_procs.process(_serve, args)
         self.proc.start()
         if not self.conn.poll(120):
             raise RuntimeError("prefill process did not start")
