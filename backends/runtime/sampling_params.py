@@ -1,6 +1,7 @@
-"""What a request asks of sampling, validated once where it enters (the preprocess stage, the
-OpenAI front's checks, the engine), and what a logprob answer carries. Torch-free, so the text
-stages import it without torch; the selection from logits is :mod:`backends.runtime.sampler`.
+"""What a request asks of sampling (validated once, where the preprocess stage or a caller of
+the engine builds it), the context-limit rule, and what a logprob answer carries. Torch-free:
+the text stages import it without torch. The selection from logits is
+:mod:`backends.runtime.sampler`.
 """
 
 from __future__ import annotations

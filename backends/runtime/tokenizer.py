@@ -55,9 +55,9 @@ class Tokenizer:
         cfg = _read_json(os.path.join(path, "tokenizer_config.json")) or {}
         self.special = {n: t for n in NAMED_TOKENS if (t := _content(cfg.get(n))) is not None}
         self._add_missing_special_tokens(cfg)
-        bos, eos = cfg.get("add_bos_token"), cfg.get("add_eos_token")
+        add_bos, add_eos = bool(cfg.get("add_bos_token")), bool(cfg.get("add_eos_token"))
         if "add_bos_token" in cfg or "add_eos_token" in cfg or self.raw.post_processor is None:
-            self._bos_eos_post_processor(bool(bos), bool(eos))
+            self._bos_eos_post_processor(add_bos, add_eos)
         eos = self.special.get("eos_token")
         self.eos_token_id = None if eos is None else self.raw.token_to_id(eos)
         self.vocab_size = self.raw.get_vocab_size(with_added_tokens=True)
@@ -68,7 +68,8 @@ class Tokenizer:
     def _add_missing_special_tokens(self, cfg: dict) -> None:
         """The config's special tokens that tokenizer.json does not list as added tokens become
         special added tokens (an existing vocabulary entry keeps its id)."""
-        extra = [_content(t) for n in EXTRA_TOKENS for t in cfg.get(n) or ()]
+        listed = [cfg.get(n) or () for n in EXTRA_TOKENS]  # a list, or names -> tokens
+        extra = [_content(t) for x in listed for t in (x.values() if isinstance(x, dict) else x)]
         added = {t.content for t in self.raw.get_added_tokens_decoder().values()}
         missing = [t for t in [*self.special.values(), *extra] if t and t not in added]
         if missing:

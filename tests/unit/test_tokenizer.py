@@ -34,7 +34,7 @@ CORPUS = [
 TEXTS = [
     "Hello world", " leading space", "What is the capital of France?", "🙂 日本 naïve café",
     "a\n\n\tb  c", "", "it 's don 't . , ! ?", "def f(x):\n    return x ** 2",
-    "<s> inside </s> the text", "<|im_start|>user\nhi<|im_end|>", "x" * 300,
+    "<s> inside </s> the text", "<|im_start|>user\nhi<|im_end|>", "x" * 300, "a<tool>b<pad>",
 ]  # fmt: skip
 CHATS = [
     [{"role": "user", "content": "Hi"}],
@@ -111,12 +111,18 @@ def metaspace(path) -> str:
 
 
 def bare(path) -> str:
-    """No post-processor in tokenizer.json, and a pad token only the config names."""
+    """No post-processor in tokenizer.json; a pad token and an extra special token that only
+    the config names."""
     tok = _trained(models.BPE(unk_token="<unk>"),
                    trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]),
                    pre_tokenizers.Whitespace(), decoders.BPEDecoder())  # fmt: skip
-    return _save(path, tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                 pad_token="<pad>")  # fmt: skip
+    out = _save(path, tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                pad_token="<pad>", extra_special_tokens=["<tool>"])  # fmt: skip
+    spec = json.loads((path / "tokenizer.json").read_text())  # transformers listed them there too
+    config_only = ("<pad>", "<tool>")
+    spec["added_tokens"] = [a for a in spec["added_tokens"] if a["content"] not in config_only]
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    return out
 
 
 @pytest.fixture(scope="module", params=["smollm2", "byte_bpe", "wordpiece", "metaspace", "bare"])
