@@ -21,6 +21,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from backends.runtime.chat_template import ChatTemplateError
 from backends.runtime.tokenizer import Tokenizer
+from backends.stages.errors import InvalidRequest
+from backends.stages.params import StageParams
+from backends.stages.text import Preprocessor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMOLLM2 = os.path.join(ROOT, "models", "smollm2-135m-instruct")
@@ -42,9 +45,11 @@ CHATS = [
      {"role": "assistant", "content": "Done."}, {"role": "user", "content": "Again?"}],
 ]  # fmt: skip
 TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}"
-    "{{ raise_exception('no tools here') }}{% endif %}[{{ m['role'] }}] {{ m['content'] | tojson }}"
-    "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+    "{{ raise_exception('roles must alternate') }}{% endif %}"
+    "[{{ m['role'] }}] {{ m['content'] | tojson }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
 )
 
 
@@ -153,10 +158,18 @@ def test_equals_transformers(checkpoint):
         assert ours.encode_chat(chat) == want
 
 
-def test_a_template_that_refuses_the_chat_is_a_value_error(tmp_path):
-    tok = Tokenizer(byte_bpe(tmp_path))
-    with pytest.raises(ChatTemplateError, match="no tools here"):
-        tok.render_chat([{"role": "tool", "content": "x"}])
+def test_a_chat_the_template_refuses_is_that_request_s_invalid_request(tmp_path):
+    """The template's raise_exception is the client's error (400), not the stage's (500): the
+    preprocess stage answers it as an invalid ``messages`` and keeps serving."""
+    path = byte_bpe(tmp_path)
+    twice = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        Tokenizer(path).render_chat(twice)
+    pre = Preprocessor(StageParams(model_dir=path))
+    with pytest.raises(InvalidRequest, match="roles must alternate") as e:
+        pre.build({"messages": json.dumps(twice)})
+    assert e.value.param == "messages"
+    assert pre.build({"messages": json.dumps(twice[:1])}).prompt_ids
 
 
 def test_a_checkpoint_without_tokenizer_json_is_refused_clearly(tmp_path):
