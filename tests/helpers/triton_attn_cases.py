@@ -413,8 +413,8 @@ def kernel_cases(ta) -> dict[str, dict]:
     return results
 
 
-# the parts a process can run (argv: their names; none: all), about equal in time so that the
-# test runs them in parallel processes: 15-20 s each on the 2-core CI machine
+# the parts a process can run (argv: their names; none: all); tests/unit/test_triton_attn.py
+# runs each in a process of its own, at once
 PARTS = ("kernels", "models", "graphs")
 
 

@@ -11,7 +11,7 @@ window views on them).
 
 Triton reads ``TRITON_INTERPRET`` when it is first imported, so the cases
 (``tests/helpers/triton_attn_cases.py``) run in processes of their own, its three parts at once
-(about 25 s on the 2-core CI machine, against 45 s in one process); each case is its own test
+(about 30 s on the 2-core CI machine, against 45 s in one process); each case is its own test
 here.
 """
 
