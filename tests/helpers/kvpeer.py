@@ -2,8 +2,8 @@
 
 The test process drives a peer through ``PeerProcess.call(method, ...)`` (multiprocessing pipe;
 every peer its own process with its own Mooncake engine, forked from :mod:`peer_procs`'s
-forkserver). Buffers are numpy arrays; a tiny
-page allocator per entry lets tests check that every page is freed exactly once.
+forkserver). Buffers are numpy arrays; a tiny page allocator per entry lets tests check that
+every page is freed exactly once.
 """
 
 from __future__ import annotations

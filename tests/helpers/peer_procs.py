@@ -16,6 +16,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 
+# imported once by the forkserver; one that does not import there is skipped (kvpeer and
+# stagepeer where tests/helpers is not on the path: a benchmark that uses them)
 PRELOAD = ["torch", "numpy", "kvtransfer", "backends.runtime.loader", "backends.stages.prefill",
            "backends.stages.decode", "kvpeer", "stagepeer"]  # fmt: skip
 
