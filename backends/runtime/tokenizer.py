@@ -45,13 +45,12 @@ def _content(token) -> str | None:
 
 class Tokenizer:
     def __init__(self, path: str):
-        file = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(file):
+        if not has_tokenizer(path):
             raise FileNotFoundError(
                 f"no tokenizer in model directory {path!r}: expected tokenizer.json (transformers'"
                 " save_pretrained writes it)"
             )
-        self.raw = tokenizers.Tokenizer.from_file(file)
+        self.raw = tokenizers.Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
         cfg = _read_json(os.path.join(path, "tokenizer_config.json")) or {}
         self.special = {n: t for n in NAMED_TOKENS if (t := _content(cfg.get(n))) is not None}
         self._add_missing_special_tokens(cfg)
