@@ -8,7 +8,9 @@ produce the same tokens either way. The engines of a batch size take turns, run 
 that a drift of the machine's speed hits them alike. Decode tokens/s counts every token after
 the first (the first comes from prefill) over the time of the steps after admission. Each
 number is the median of --runs runs; the greedy outputs of both engines are compared token for
-token (column ``same``).
+token (column ``same``). Each engine's ``step_split`` says where its steps' time went: the
+target's forwards (with the rows a forward fed), the draft's calls and the rest
+(:class:`StepSplit`; also in the log lines).
 
 Three prompt sets (``--sets``), each run whole, b prompts at a time:
 
@@ -38,6 +40,7 @@ colocated, both drafting at every step: PD must give the colocated acceptance an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -98,23 +101,91 @@ def random_head(target, path: str, seed: int = 0) -> str:
     return path
 
 
-def run_once(engine, groups: list[list[list[int]]], max_tokens: int,
-             ignore_eos: bool = False) -> tuple[float, list, dict]:  # fmt: skip
+class StepSplit:
+    """Where decode's time goes, summed over the timed steps of every run of one engine: the
+    target's forwards (plain steps and verifies), the draft's calls, and the rest (drafting and
+    acceptance bookkeeping, sampling, the engine's own work); :meth:`as_dict` per engine step in
+    ms, with the rows (new tokens) a target forward fed and the draft calls a step made."""
+
+    def __init__(self):
+        self.steps = self.forwards = self.rows = self.calls = 0
+        self.total = self.target = self.draft = 0.0
+        self._inside = False
+
+    @contextlib.contextmanager
+    def timing(self, engine):
+        """Time ``engine``'s target forwards (``forward``, and ``decode``: a plain step) and
+        draft calls while inside."""
+        draft = engine.draft.runner if isinstance(engine, SpecEngine) else None
+        wrapped = [(engine.runner, "forward", "target"), (engine.runner, "decode", "target")]
+        if draft is not None:
+            wrapped.append((draft, "forward_head" if hasattr(draft, "forward_head")
+                            else "forward", "draft"))  # fmt: skip
+        own = [vars(obj).get(name) for obj, name, _ in wrapped]  # set on the instance itself
+        for obj, name, part in wrapped:
+            setattr(obj, name, self._timed(getattr(obj, name), part))
+        try:
+            yield self
+        finally:
+            for (obj, name, _), was in zip(wrapped, own, strict=True):
+                if was is None:
+                    delattr(obj, name)  # the class's method again
+                else:
+                    setattr(obj, name, was)
+
+    def _timed(self, fn, part: str):
+        """``fn`` timed into ``part``; a call made inside another timed call (an eager
+        ``decode`` runs ``forward``) counts once, in the outer one."""
+
+        def call(pool, inputs, *args, **kwargs):
+            if self._inside:
+                return fn(pool, inputs, *args, **kwargs)
+            self._inside, t = True, time.perf_counter()
+            try:
+                return fn(pool, inputs, *args, **kwargs)
+            finally:
+                dt, self._inside = time.perf_counter() - t, False
+                if part == "target":  # forward: SeqInputs; decode: one token per sequence
+                    self.target += dt
+                    self.forwards += 1
+                    self.rows += sum(len(getattr(x, "token_ids", [x])) for x in inputs)
+                else:
+                    self.draft += dt
+                    self.calls += 1
+
+        return call
+
+    def as_dict(self) -> dict:
+        n = max(1, self.steps)
+        return {"steps": self.steps, "step_ms": 1e3 * self.total / n,
+                "target_ms": 1e3 * self.target / n, "draft_ms": 1e3 * self.draft / n,
+                "rest_ms": 1e3 * (self.total - self.target - self.draft) / n,
+                "target_rows": self.rows / max(1, self.forwards),
+                "draft_calls": self.calls / n}  # fmt: skip
+
+
+def run_once(engine, groups: list[list[list[int]]], max_tokens: int, ignore_eos: bool = False,
+             split: StepSplit | None = None) -> tuple[float, list, dict]:  # fmt: skip
     """Each group of prompts as one batch, the groups one after the other. -> (decode
-    tokens/s over all groups, outputs, spec stats of this run)."""
+    tokens/s over all groups, outputs, spec stats of this run); ``split`` also times where
+    the steps' time went."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
     if isinstance(engine, SpecEngine):
         engine.stats = type(engine.stats)()
+    split = split or StepSplit()
     dt, outputs, n = 0.0, [], 0
     for g, prompts in enumerate(groups):
         seqs = [engine.add_request(f"g{g}-{i}", p, params) for i, p in enumerate(prompts)]
         engine.step()  # admission: prefill + first token, not timed
         t = time.perf_counter()
-        while engine.has_unfinished():
-            engine.step()
+        with split.timing(engine):
+            while engine.has_unfinished():
+                engine.step()
+                split.steps += 1
         dt += time.perf_counter() - t
         outputs += [s.output_ids for s in seqs]
         n += sum(len(s.output_ids) - 1 for s in seqs)
+    split.total += dt
     stats = engine.stats.as_dict() if isinstance(engine, SpecEngine) else {}
     return n / dt, outputs, stats
 
@@ -134,21 +205,24 @@ def measure(makers: dict, groups, args) -> dict[str, dict]:
     the machine's speed hits them alike; each run starts one engine further on, so no engine
     always runs right after the same other one) -> per name the median decode tokens/s, the
     spec stats (of the last run; greedy acceptance is the same every run, the policy's choices
-    nearly) and the outputs."""
+    nearly), where the steps' time went over every run (:class:`StepSplit`) and the outputs."""
     engines = {name: make() for name, make in makers.items()}
     for engine in engines.values():
         run_once(engine, [groups[0][:1]], 4)  # warm up
     rates: dict[str, list] = {name: [] for name in engines}
+    splits = {name: StepSplit() for name in engines}
     last: dict[str, tuple] = {}
     names = list(engines)
     for r in range(args.runs):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            rate, outputs, st = run_once(engines[name], groups, args.max_tokens, args.ignore_eos)
+            rate, outputs, st = run_once(engines[name], groups, args.max_tokens, args.ignore_eos,
+                                         splits[name])  # fmt: skip
             rates[name].append(rate)
             last[name] = (outputs, st)
     out = {}
     for name, (outputs, st) in last.items():
-        res = {"decode_tok_s": statistics.median(rates[name]), "runs_tok_s": rates[name]}
+        res = {"decode_tok_s": statistics.median(rates[name]), "runs_tok_s": rates[name],
+               "step_split": splits[name].as_dict()}  # fmt: skip
         if st:
             steps = st["verify_steps"] + st["undrafted_steps"]
             res |= {k: st[k] for k in SPEC_KEYS}
@@ -424,7 +498,11 @@ def measure_set(args, target, drafts: dict, modes: list[bool], name: str, texts)
             if config != "target only":
                 res["speedup"] = res["decode_tok_s"] / base["decode_tok_s"]
                 res["same"] = res["outputs"] == base["outputs"]
-            log(f"{name} batch {b} {config}: {res['decode_tok_s']:.1f} tok/s")
+            sp = res["step_split"]
+            log(f"{name} batch {b} {config}: {res['decode_tok_s']:.1f} tok/s; a step"
+                f" {sp['step_ms']:.1f} ms: target {sp['target_ms']:.1f}"
+                f" ({sp['target_rows']:.1f} rows a forward), draft {sp['draft_ms']:.1f}"
+                f" ({sp['draft_calls']:.2f} calls), rest {sp['rest_ms']:.1f}")  # fmt: skip
             rows.append({"set": name, "config": config, "batch": b, "adaptive": False}
                         | info.get(config, {}) | res)  # fmt: skip
     return rows

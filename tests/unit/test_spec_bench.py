@@ -37,6 +37,20 @@ def test_bench_spec_json():
         assert r["decode_tok_s"] > 0
         if config != "target only":
             assert r["same"] is True  # spec greedy output == target-only output
+    # where the steps' time went: a plain step feeds one row a sequence; a verify at batch 1
+    # feeds the last token and up to k = 2 drafts (fewer where max_tokens clamps k)
+    for (config, b), r in rows.items():
+        sp = r["step_split"]
+        # the timed calls fit in the steps' time (an eager decode's inner forward counts once)
+        assert sp["steps"] > 0 and sp["target_ms"] > 0 and sp["rest_ms"] >= 0
+        if config == "target only":
+            # up to b rows (the last batch of the 8 prompts at b = 3 has 2)
+            assert sp["target_rows"] == 1 if b == 1 else 2 <= sp["target_rows"] <= b
+            assert sp["draft_calls"] == 0 and sp["draft_ms"] == 0
+        elif b == 1:  # a step drafts or not (the adaptive policy): 1 row, or a verify's 2-3
+            assert 1 <= sp["target_rows"] <= 3 and sp["draft_calls"] > 0
+    # the whole model as its own draft verified (its acceptance below): more than a row a forward
+    assert rows[("self-draft K=4 k=2", 1)]["step_split"]["target_rows"] > 1
     full = rows[("self-draft K=4 k=2", 3)]  # the whole model as its own draft
     assert full["acceptance_rate"] == 1.0 and full["mean_accepted_length"] > 2
     assert rows[("self-draft K=1 k=2", 1)]["acceptance_rate"] < 0.5
@@ -94,7 +108,7 @@ def test_each_run_starts_one_engine_further_on(monkeypatch):
 
     order = []
 
-    def fake_run_once(engine, groups, max_tokens, ignore_eos=False):
+    def fake_run_once(engine, groups, max_tokens, ignore_eos=False, split=None):
         if max_tokens != 4:  # not the warm-up
             order.append(engine)
         return 1.0, [], {}
