@@ -468,6 +468,9 @@ def run(args) -> dict:
         end = wait_idle(server, front, 120)
         end["ready"] = ready(server)
         cache = prefix_cache_counters(server)
+        # the killed stub's instance fails every request it gets ("instance died") until the
+        # supervisor's reload swaps it out: probe the server it recovered to, not that window
+        reloads = wait_reloads(server, 90 if killed else 0)
         key = (tuple(probe["ids"]), probe["max_tokens"])
         after = probe_after(
             send,
@@ -479,7 +482,6 @@ def run(args) -> dict:
         result = summarize(outcomes, refs, texts, end, killed, seconds)
         if key_enforced is not None:
             result["checks"]["api_key_required"] = key_enforced
-        reloads = wait_reloads(server, 90 if killed else 0)
         result["checks"]["killed_prefill_reloaded"] = reloads >= 1
         result["ok"] = all(result["checks"].values())
         result["prefill_reloads"] = reloads
