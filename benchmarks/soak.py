@@ -173,6 +173,8 @@ def summarize(outcomes, refs, texts, end: dict, killed, seconds) -> dict:
     }
     if texts is not None:
         checks["errors_in_openai_shape"] = not unshaped
+        # the front tries again what Triton failed before any token (the killed instance's)
+        checks["no_request_lost_to_the_killed_instance"] = "instance died" not in errors
     out = {
         "ok": all(checks.values()),
         "checks": checks,

@@ -37,6 +37,13 @@ def main() -> None:
         help="requests at once; past it new ones get 503 with Retry-After",
     )
     ap.add_argument(
+        "--retry-window",
+        type=float,
+        default=30.0,
+        help="seconds within which a request that Triton itself failed before any token (a"
+        " stage process that died, until the supervisor reloads it) is tried again; 0: never",
+    )
+    ap.add_argument(
         "--server-pid",
         type=int,
         default=0,
@@ -82,7 +89,7 @@ def main() -> None:
         threading.Thread(target=_exit_with, args=(a.server_pid,), daemon=True).start()
     names = tuple(a.model_name) or (os.path.basename(a.model_dir.rstrip("/")), a.ensemble)
     limit = body_limit(a.max_body_bytes, a.max_context)
-    app = create_app(a.grpc_url, names, a.ensemble, a.max_inflight, keys, limit)
+    app = create_app(a.grpc_url, names, a.ensemble, a.max_inflight, keys, limit, a.retry_window)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning", access_log=False)
 
 

@@ -6,6 +6,11 @@ body within its limits (:mod:`.limits`). Every failure is answered in OpenAI's e
 (:mod:`.errors`): an unknown route too, and any exception a route lets out (a 500, logged with
 its traceback). A stream that fails once it has begun sends the error as an event,
 ``data: {"error": {...}}``, then ``data: [DONE]``.
+
+A request that Triton itself failed before any token (no stage's tag: a stage process that
+died, whose instance fails what it gets until the supervisor's reload) is sent again, after
+0.1 s and then twice as long each time (at most 1 s), within ``retry_window_s`` of its first
+try; nothing reached the client yet, so it sees a slower answer, not an error.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from .limits import body_limit, read_json
 from .session import Chunk, Session
 
 DISCONNECT_POLL_S = 0.25
+RETRY_FIRST_S, RETRY_MAX_S = 0.1, 1.0  # the pauses between tries of a request Triton failed
 log = logging.getLogger(__name__)
 
 
@@ -42,9 +48,11 @@ class Front:
         max_inflight: int,
         keys: APIKeys,
         max_body_bytes: int,
+        retry_window_s: float,
     ):
         self.grpc_url, self.names, self.ensemble = grpc_url, names, ensemble
         self.max_inflight, self.inflight = max_inflight, 0
+        self.retry_window_s, self.retried = retry_window_s, 0  # tries sent again, in all
         self.keys, self.max_body_bytes = keys, max_body_bytes
         self.created = int(time.time())
         self.client: aio.InferenceServerClient | None = None
@@ -62,15 +70,13 @@ class Front:
         if self.inflight >= self.max_inflight:
             raise overloaded(f"overloaded, retry later: {self.inflight} requests in flight")
         self.inflight += 1
-        session = Session(self.client, self.ensemble, inputs, p.fields_of(req), self.grpc_url)
-        release = self._releaser(session)
-        chunks = session.chunks()
-        out = Answer(kind, req, self.names[0])
         try:
-            first = await _watched(anext(chunks), session, http)
+            session, chunks, first = await self._start(req, inputs, http)
         except BaseException:
-            release()
+            self.inflight -= 1
             raise
+        release = self._releaser(session)
+        out = Answer(kind, req, self.names[0])
         if req.stream:
             # released by the stream's end, or by the background task when the client went
             # away before the stream began (the generator's own finally never runs then)
@@ -87,6 +93,28 @@ class Front:
             return JSONResponse(out.whole())
         finally:
             release()
+
+    async def _start(self, req, inputs: dict, http: Request):
+        """The request's session, its chunks and the first chunk; a failure of Triton's own
+        before it is tried again within ``retry_window_s`` (module docstring)."""
+        deadline, pause = time.monotonic() + self.retry_window_s, RETRY_FIRST_S
+        while True:
+            session = Session(self.client, self.ensemble, inputs, p.fields_of(req), self.grpc_url)
+            chunks = session.chunks()
+            try:
+                return session, chunks, await _watched(anext(chunks), session, http)
+            except APIError as e:
+                session.cancel()
+                if not e.from_triton or time.monotonic() + pause > deadline:
+                    raise
+                if pause == RETRY_FIRST_S:  # one line a request, not one a try
+                    log.warning("trying again a request Triton failed: %s", e.message)
+            except BaseException:
+                session.cancel()
+                raise
+            self.retried += 1
+            await _pause(pause, http)
+            pause = min(2 * pause, RETRY_MAX_S)
 
     def _releaser(self, session: Session):
         """A callable that cancels ``session`` and frees its in-flight slot, once."""
@@ -142,6 +170,15 @@ async def _watched(awaitable, session: Session, http: Request):
             with contextlib.suppress(BaseException):
                 await task
             raise APIError(499, "client disconnected")
+
+
+async def _pause(seconds: float, http: Request) -> None:
+    """Sleep ``seconds``; a 499 as soon as the client disconnects."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        if await http.is_disconnected():
+            raise APIError(499, "client disconnected")
+        await asyncio.sleep(min(left, DISCONNECT_POLL_S))
 
 
 class Answer:
@@ -268,11 +305,13 @@ def create_app(
     max_inflight: int = 4096,
     keys: tuple[bytes, ...] = (),
     max_body_bytes: int = 0,
+    retry_window_s: float = 30.0,
 ) -> FastAPI:
     """The front's app; ``keys``: API keys (none: no key needed); ``max_body_bytes``: the body
-    limit (0: :func:`.limits.body_limit`'s default)."""
+    limit (0: :func:`.limits.body_limit`'s default); ``retry_window_s``: how long a request
+    Triton failed before any token is tried again (0: never)."""
     limit = body_limit(max_body_bytes)
-    front = Front(grpc_url, names, ensemble, max_inflight, APIKeys(keys), limit)
+    front = Front(grpc_url, names, ensemble, max_inflight, APIKeys(keys), limit, retry_window_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -295,7 +334,8 @@ def create_app(
     @app.get("/health")
     async def health():
         ok = await front.ready()
-        body = {"status": "ok" if ok else "not ready", "requests_in_flight": front.inflight}
+        body = {"status": "ok" if ok else "not ready", "requests_in_flight": front.inflight,
+                "requests_retried": front.retried}  # fmt: skip
         return JSONResponse(body, 200 if ok else 503)
 
     async def authorized(http: Request) -> None:

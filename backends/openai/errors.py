@@ -7,6 +7,9 @@ Errors are classified by type, never by the words of a message:
   (``backends/stages/errors.py``) gives the kind (invalid: 400, overloaded: 503 with
   ``Retry-After``, internal or no tag: 500), the ensemble input at fault (mapped to the
   request's field by :mod:`.protocol`) and a code; :func:`from_stage`;
+* an error with no tag came from Triton itself, not from a stage (a stage process that died:
+  "Stub process ... is not healthy" until the supervisor's reload): a 500 whose ``from_triton``
+  lets the front retry it while no token was sent (:mod:`.app`);
 * a broken connection to Triton is a gRPC status: UNAVAILABLE (Triton restarting or gone) and
   RESOURCE_EXHAUSTED are a 503 with ``Retry-After``, DEADLINE_EXCEEDED a 504, any other a 502;
   :func:`from_transport`.
@@ -51,9 +54,11 @@ class APIError(Exception):
         param: str | None = None,
         kind: str = "",
         code: str | None = None,
+        from_triton: bool = False,
     ):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.from_triton = from_triton  # Triton's own failure: no stage answered
         self.kind = kind or _TYPE.get(status, "server_error")
         self.code = code or _CODE.get(status, "error")
 
@@ -87,7 +92,7 @@ def from_stage(text: str, params: dict[str, str] | None = None) -> APIError:
     if tag.kind == stage_errors.INVALID:
         param = (params or {}).get(tag.param) if tag.param else None
         return APIError(400, tag.message, param, code=tag.code)
-    return APIError(500, tag.message)
+    return APIError(500, tag.message, from_triton=not tag.tagged)
 
 
 _STATUS = {

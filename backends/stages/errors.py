@@ -102,13 +102,14 @@ class Tag:
     param: str | None
     code: str | None
     message: str  # the text without its tags
+    tagged: bool = True  # False: no stage answered; Triton itself failed the request
 
 
 def parse_tag(text: str) -> Tag:
     """The kind, param and code of the first tag in ``text`` (an error a client received)."""
     m = _TAG.search(text)
     if m is None or m.group(1) not in KINDS:
-        return Tag(INTERNAL, None, None, text)
+        return Tag(INTERNAL, None, None, text, tagged=False)
     return Tag(m.group(1), m.group(2), m.group(3), _TAG.sub("", text))
 
 

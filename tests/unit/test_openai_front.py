@@ -1,6 +1,7 @@
 """The OpenAI front's own logic (no server): overload answers, stage errors classified by their
 tag (never by their words) and named by the request's field, seeds, message names, and the
-chat / completions forms of ``logprobs`` in Triton's frontend format."""
+chat / completions forms of ``logprobs`` in Triton's frontend format; a request Triton itself
+failed before any token is tried again within the retry window, no other."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from backends.openai import app as app_module
 from backends.openai import protocol as oai
 from backends.openai.app import create_app
 from backends.openai.errors import APIError, from_stage
+from backends.openai.session import Chunk
 from backends.stages import errors as se
 from backends.stages.compat import frontend_inputs
 from backends.stages.text import sampling_from
@@ -66,6 +69,59 @@ def test_stage_errors_are_classified_by_their_tag_and_name_the_request_field():
         e = from_stage(text, chat)
         assert (e.status, e.param, e.code) == (500, None, "internal_error"), text
         assert "[pd-error" not in e.message
+
+
+DEAD_STUB = "in ensemble 'ensemble', Stub process 'prefill_0_0' is not healthy."
+
+
+class _Failing:
+    """A stand-in for a gRPC stream whose first ``fails`` tries (counted over all instances)
+    fail before any chunk with ``error``, and the later ones answer "ok"."""
+
+    tries, fails, error = 0, 0, ""
+
+    def __init__(self, *_args):
+        type(self).tries += 1
+        self.n = type(self).tries
+
+    async def chunks(self):
+        if self.n <= self.fails:
+            raise from_stage(self.error)
+        yield Chunk("ok", [7], "stop", 3, None)
+
+    def cancel(self):
+        pass
+
+
+@pytest.mark.parametrize(
+    "error, fails, window, tries, status",
+    [
+        (DEAD_STUB, 2, 30.0, 3, 200),  # Triton's own failure: tried again, then served
+        (DEAD_STUB, 99, 0.25, 2, 500),  # ... within the window only (0.1 s pause, then 0.2)
+        (DEAD_STUB, 1, 0.0, 1, 500),  # window 0: never tried again
+        (se.tagged("decode failed for this request: x", "internal"), 1, 30.0, 1, 500),
+        (se.tagged("overloaded, retry later: full", "overloaded"), 1, 30.0, 1, 503),
+    ],
+)
+def test_only_what_triton_failed_before_any_token_is_tried_again(
+    monkeypatch, error, fails, window, tries, status
+):
+    monkeypatch.setattr(_Failing, "tries", 0)
+    monkeypatch.setattr(_Failing, "fails", fails)
+    monkeypatch.setattr(_Failing, "error", error)
+    monkeypatch.setattr(app_module, "Session", _Failing)
+    with TestClient(create_app("127.0.0.1:1", ("m",), retry_window_s=window)) as client:
+        for stream in (False, True):
+            _Failing.tries = 0
+            r = client.post("/v1/completions", json={"model": "m", "prompt": "hi",
+                                                     "stream": stream})  # fmt: skip
+            assert (r.status_code, _Failing.tries) == (status, tries), r.text
+            if status == 200:
+                assert "ok" in r.text
+            else:
+                assert r.json()["error"]["message"] == from_stage(error).message
+        health = client.get("/health").json()
+    assert health["requests_in_flight"] == 0 and health["requests_retried"] == 2 * (tries - 1)
 
 
 def test_negative_seeds_are_kept_distinct_and_names_refused():

@@ -44,6 +44,8 @@ def test_the_fronts_verdict_compares_text_and_token_count_and_wants_openais_erro
     req = {"i": 0, "ids": [5, 6], "max_tokens": 4}
     shaped = {"message": "KV transfer failed: prefill x: injected", "type": "server_error",
               "param": None, "code": "internal_error"}  # fmt: skip
+    died = {**shaped, "message": "in ensemble 'ensemble', Stub process 'p' is not healthy."}
+    lost = Outcome(req, "error", [], died["message"], 0.5, status=500, body=died)
     good = [
         Outcome(req, "ok", [], "", 1.0, "Paris.", 4),
         Outcome(req, "cancelled", [], "", 0.5, "Par"),
@@ -59,6 +61,7 @@ def test_the_fronts_verdict_compares_text_and_token_count_and_wants_openais_erro
         (Outcome(req, "error", [], shaped["message"], 0.5, status=500, body={"detail": "x"}),
          "errors_in_openai_shape"),  # fmt: skip
         (Outcome(req, "hang", [], "no answer in time", 300.0), "no_hang"),
+        (lost, "no_request_lost_to_the_killed_instance"),  # the front tries it again
     ]:
         r = summarize([*good, bad], refs, texts, _end(), 123, 9.0)
         assert not r["ok"] and not r["checks"][check], check
