@@ -103,17 +103,15 @@ class Front:
             chunks = session.chunks()
             try:
                 return session, chunks, await _watched(anext(chunks), session, http)
-            except APIError as e:
+            except BaseException as e:
                 session.cancel()
-                if not e.from_triton or time.monotonic() + pause > deadline:
+                triton_failed = isinstance(e, APIError) and e.from_triton
+                if not triton_failed or time.monotonic() + pause > deadline:
                     raise
                 if pause == RETRY_FIRST_S:  # one line a request, not one a try
                     log.warning("trying again a request Triton failed: %s", e.message)
-            except BaseException:
-                session.cancel()
-                raise
             self.retried += 1
-            await _pause(pause, http)
+            await _watched(asyncio.sleep(pause), session, http)  # 499 if the client goes
             pause = min(2 * pause, RETRY_MAX_S)
 
     def _releaser(self, session: Session):
@@ -170,15 +168,6 @@ async def _watched(awaitable, session: Session, http: Request):
             with contextlib.suppress(BaseException):
                 await task
             raise APIError(499, "client disconnected")
-
-
-async def _pause(seconds: float, http: Request) -> None:
-    """Sleep ``seconds``; a 499 as soon as the client disconnects."""
-    end = time.monotonic() + seconds
-    while (left := end - time.monotonic()) > 0:
-        if await http.is_disconnected():
-            raise APIError(499, "client disconnected")
-        await asyncio.sleep(min(left, DISCONNECT_POLL_S))
 
 
 class Answer:
