@@ -20,7 +20,7 @@ from .config import ModelConfig
 from .decode_attn import cpu_decode_attention, decode_attention
 from .kernels import KernelSettings, Linear, fused_ops
 from .layers import RMSNorm
-from .paged import BatchMeta, paged_attention, write_kv
+from .paged import BatchMeta, copy_slots, paged_attention, write_kv
 from .prefill_attn import cpu_prefill_attention
 from .rope import RotaryEmbedding
 from .weights import WeightReader
@@ -62,7 +62,11 @@ def attend(
     kernel (``auto``). ``kv_scales``: (K, V) scales of an fp8 pool (MLA: one), else None.
     ``meta``: the batch as this layer sees it (its window: ``BatchMeta.for_window``);
     ``sinks``: [H] float32 sink logits (gpt-oss), else None: every path takes them but SDPA's
-    flash prefill and the compiled decode kernel, which then do not run."""
+    flash prefill and the compiled decode kernel, which then do not run. The new KV is in
+    the pool already; ``meta.copies`` (SeqInput.root) are copied first."""
+    copy_slots(k_cache, meta)  # the KV a root's first token shares (SeqInput.root)
+    if v_cache is not None:
+        copy_slots(v_cache, meta)
     ks = kv_scales or (1.0, 1.0)
     on_triton = kernels.attention == "triton" or (
         kernels.attention == "auto" and (sinks is not None or not _flash_prefill(q, meta))

@@ -8,7 +8,9 @@ with tensor ops (no Python loop over tokens), and shared by every layer:
 * ``write_slots [T]``: flat pool slot (``page * page_size + offset``) of each new token;
 * ``read_slots [B, L]``: flat slots of each sequence's context, padded to the longest ``L``;
 * ``mask``: causal + padding (+ sliding window), only where a kernel needs one;
-* ``q_index [T]``: where each flat token sits in the padded ``[B * Q]`` query grid.
+* ``q_index [T]``: where each flat token sits in the padded ``[B * Q]`` query grid;
+* ``copies``: slots each layer copies after writing, before attending: an input that follows
+  another input's first new tokens (``SeqInput.root``) gets their KV in its own pages.
 
 Three kinds of forward, picked once per batch (:attr:`BatchMeta.kind`):
 
@@ -68,6 +70,12 @@ class SeqInput:
     # page ids as ``pages`` (a caller holding every block in both entries, while nothing else
     # holds a page of pool.window)
     window_pages: list[int] | None = None
+    # the index, in the same forward, of an input whose first new tokens this one follows: the
+    # root's tokens at positions before this ``start_pos`` (at least its first), whose KV is
+    # written into this input's pages too, so this input does not feed them again (a draft
+    # chain verified beside the sequence's own, spec_branches). None: its context is all in
+    # its pages already
+    root: int | None = None
 
 
 @dataclass
@@ -94,6 +102,10 @@ class BatchMeta:
     # a model with a sliding-window entry: the same tokens over its page tables there
     # (with_pages; set by the runner), which the sliding layers attend through
     window_batch: BatchMeta | None = None
+    # (src [C], dst [C]) slots each layer copies in its pool after writing the new KV and
+    # before attending: a root's first tokens into the inputs that follow them (SeqInput.root;
+    # root_copies, set by the runner). None: no copies
+    copies: tuple[torch.Tensor, torch.Tensor] | None = None
     views: dict = field(default_factory=dict, repr=False, compare=False)  # window -> view
 
     @classmethod
@@ -314,6 +326,44 @@ def _window_view(meta: BatchMeta, window: int | None) -> BatchMeta:
         if name in meta.__dict__:
             view.__dict__[name] = meta.__dict__[name]
     return view
+
+
+def root_copies(seqs: list[SeqInput], page_size: int, device):
+    """(src [C], dst [C]) slots on ``device`` for the inputs with a root (:attr:`SeqInput.root`):
+    for each position the input shares (the root's new tokens before its ``start_pos``), the
+    root's slot of it and the input's own; None when no input has a root. The page tables were
+    checked by :meth:`BatchMeta.build` (their blocks up to each input's end)."""
+    src, dst = [], []
+    for b, s in enumerate(seqs):
+        if s.root is None:
+            continue
+        r = s.root
+        if not 0 <= r < len(seqs) or r == b or seqs[r].root is not None:
+            raise ValueError(f"input {b}: root {r} is not another input without a root")
+        first, end = seqs[r].start_pos, seqs[r].start_pos + len(seqs[r].token_ids)
+        if not first < s.start_pos <= end:
+            raise ValueError(
+                f"input {b} starts at {s.start_pos}: it must follow one of its root's new "
+                f"tokens, at positions [{first}, {end})"
+            )
+        for pos in range(first, s.start_pos):
+            for pages, out in ((seqs[r].pages, src), (s.pages, dst)):
+                out.append(pages[pos // page_size] * page_size + pos % page_size)
+    if not src:
+        return None
+    return torch.tensor(src, device=device), torch.tensor(dst, device=device)
+
+
+def copy_slots(cache: torch.Tensor, meta: BatchMeta) -> None:
+    """cache: [S, ...] flat slots of one layer component, the batch's new KV written: copy the
+    slots of ``meta.copies`` (an fp8 cache as bytes)."""
+    if meta.copies is None:
+        return
+    src, dst = meta.copies
+    rows = cache.view(cache.shape[0], -1)
+    if is_fp8(rows):
+        rows = rows.view(torch.uint8)
+    rows.index_copy_(0, dst, rows.index_select(0, src))
 
 
 def write_kv(cache: torch.Tensor, meta: BatchMeta, new: torch.Tensor, scale=None) -> None:

@@ -22,7 +22,7 @@ from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, graphs_requested
 from .kv_pool import KVPool, OutOfPagesError
 from .model import CausalLM
-from .paged import BatchMeta, SeqInput
+from .paged import BatchMeta, SeqInput, root_copies
 from .recurrent.batch import RecurrentBatch
 from .state_pool import DEFAULT_SLOTS, StatePool, StateSpec
 
@@ -201,7 +201,11 @@ class ModelRunner:
     def _seqs_meta(self, pool: KVPool, seqs: list[SeqInput]) -> BatchMeta:
         spans = [(s.start_pos, len(s.token_ids), s.pages) for s in seqs]
         windows = [s.window_pages for s in seqs]
-        return self._meta(pool, spans, [s.slot for s in seqs], windows)
+        meta = self._meta(pool, spans, [s.slot for s in seqs], windows)
+        meta.copies = root_copies(seqs, pool.page_size, self.device)
+        if meta.copies is not None and pool.window is not None:
+            raise ValueError("an input with a root needs a pool without a sliding-window entry")
+        return meta
 
     def _check_groups(self, groups: list[tuple[int, int]] | None) -> list[tuple[int, int]]:
         n = self.config.num_layers

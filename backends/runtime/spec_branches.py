@@ -3,13 +3,16 @@
 With ``branches = W > 1`` an EAGLE head proposes up to W chains for a greedy sequence: its
 first draft's, and one for each of the next ``W - 1`` most likely first tokens, which the head
 then continues greedily (each cut by the step's :class:`~.spec.DraftChain` like the first). The
-target verifies every chain in the same forward, each as a batch row of its own over ``[last
-token, chain]``. At most one chain starts with the target's own choice; the sequence keeps that
-one (else the first), so the emitted tokens are the greedy ones still.
+target verifies every chain in the same forward: the first over ``[last token, chain]``, each
+other over its chain alone, as an input whose root is the first (``SeqInput.root``): the last
+token's KV, computed once, is copied into the alternative's pages in every layer before it
+attends. So W chains of k drafts are ``1 + W k`` rows, not ``W (k + 1)``. At most one chain
+starts with the target's own choice; the sequence keeps that one (else the first), with the
+first row's logits and feature before its own, so the emitted tokens are the greedy ones still.
 
 A chain other than the first writes its KV, the head's and the target's, into a tail of pages of
-its own: a copy of the page that holds its first position (the positions before it are the
-sequence's, shared) and fresh pages after it. When the target keeps an alternative, its tail
+its own: a copy of the page that holds the last token's position (the positions before it are
+the sequence's, shared) and fresh pages after it. When the target keeps an alternative, its tail
 replaces the sequence's pages from there on (the displaced ones are freed). The head's KV past
 the real features is a prediction that the next catch-up overwrites, so the alternatives' head
 pages are freed as soon as the chains are drafted. Every tail is freed by the end of the step.
@@ -102,8 +105,9 @@ class Branches:
             self.head_pool.free(t)
 
     def verify_inputs(self, seqs: list[Sequence]) -> list[SeqInput]:
-        """The target's inputs of the alternatives (each over its own tail), in ``alts``'
-        order; an alternative the pool has no pages for is dropped."""
+        """The target's inputs of the alternatives (each over its own tail, rooted at its
+        sequence's input: sequence i's is the forward's i-th), in ``alts``' order; an
+        alternative the pool has no pages for is dropped."""
         inputs = []
         for i, alts in self.alts.items():
             s = seqs[i]
@@ -115,14 +119,15 @@ class Branches:
                     continue
                 pages, alt.tail = fork
                 self._tails.append(alt.tail)
-                inputs.append(SeqInput([s.output_ids[-1]] + alt.drafts, start, pages))
+                inputs.append(SeqInput(alt.drafts, start + 1, pages, root=i))
         return inputs
 
     def keep(self, seqs: list[Sequence], drafts: list[list[int]], logits: list, feats: list,
              alt_logits: list, alt_feats: list) -> None:  # fmt: skip
         """Per sequence with alternatives, the chain whose first draft is the target's choice
-        (argmax of the first row, the same in every chain's row) goes into ``drafts[i]``,
-        ``logits[i]`` and ``feats[i]``, and its tail into the sequence's pages."""
+        (argmax of the last token's row, the sequence's first) goes into ``drafts[i]``, its
+        rows after that first one into ``logits[i]`` and ``feats[i]``, and its tail into the
+        sequence's pages."""
         at = 0
         for i, alts in self.alts.items():
             rows = range(at, at + len(alts))
@@ -134,7 +139,8 @@ class Branches:
                 if alt.drafts[0] != best:
                     continue
                 drafts[i][:] = alt.drafts
-                logits[i], feats[i] = alt_logits[r], alt_feats[r]
+                logits[i] = torch.cat([logits[i][:1], alt_logits[r]])
+                feats[i] = torch.cat([feats[i][:1], alt_feats[r]])
                 s, b0 = seqs[i], (seqs[i].num_tokens - 1) // self.pool.page_size
                 displaced = s.pages[b0 : b0 + len(alt.tail)]
                 s.pages[b0 : b0 + len(alt.tail)] = alt.tail

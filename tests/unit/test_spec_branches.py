@@ -11,14 +11,22 @@ import spec_models as sm
 import torch
 from eagle_heads import random_head, trained_head
 
+from backends.runtime.paged import SeqInput
 from backends.runtime.sampling_params import SamplingParams
 from backends.runtime.spec import DraftSpec, load_draft
-from backends.runtime.spec_branches import Branches
+from backends.runtime.spec_branches import Branches, fork_tail
 from backends.runtime.spec_eagle import EagleSpecEngine, spec_engine
 from backends.stages.params import StageParams
 
 PROMPTS = [rm.random_prompt(n, seed=n) for n in (1, 4, 9, 14, 6)]
 MAX_TOKENS = [20, 9, 16, 3, 12]
+
+
+def _prefilled(target, context: list[int], num_pages: int = 16):
+    pool = target.make_pool(num_pages, 4)
+    pages = pool.alloc(-(-(len(context) + 4) // 4))
+    target.prefill(pool, context, pages)
+    return pool, pages
 
 
 def _engine(target, head_dir: str, branches: int, pages: int = 64, k: int = 3):
@@ -131,3 +139,49 @@ def test_copy_page_copies_every_layer_of_one_page(kind, llama, mla):
     assert torch.equal(pool.tensor.index_select(axis, idx), before.index_select(axis, idx))
     with pytest.raises(ValueError, match="not exclusively held"):
         pool.copy_page(src, 5)  # a free page
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+def test_an_input_with_a_root_attends_to_the_roots_first_tokens(kind, llama, mla):
+    """Chains fed alone after their root's first tokens (KV computed once, by the root input)
+    give the logits of those tokens and the chain fed as a sequence of its own; their tail
+    pages hold the shared tokens' KV, as the root's page does."""
+    target = llama if kind == "llama" else mla
+    prompt = rm.random_prompt(10, seed=3)
+    context, last, start = prompt[:-1], prompt[-1], len(prompt) - 1  # start: mid-page
+    main = [5, 6, 7]
+    alts = [([last], [8, 9]), ([last, main[0]], [10])]  # (the root's tokens shared, the chain)
+    ref_pool, ref_pages = _prefilled(target, context)
+    want = [target.forward(ref_pool, [SeqInput(shared + c, start, ref_pages)])[0]
+            for shared, c in alts]  # fmt: skip
+    pool, pages = _prefilled(target, context)
+    tails = [fork_tail(pool, pages, start, start + len(sh) + len(c) - 1) for sh, c in alts]
+    root_in = SeqInput([last] + main, start, pages)
+    rooted = [SeqInput(c, start + len(sh), t, root=0)
+              for (sh, c), (t, _) in zip(alts, tails, strict=True)]  # fmt: skip
+    got = target.forward(pool, [root_in, *rooted])
+    torch.testing.assert_close(got[0][:1], want[0][:1], rtol=1e-4, atol=1e-4)
+    for (shared, _), w, g in zip(alts, want, got[1:], strict=True):
+        torch.testing.assert_close(g, w[len(shared) :], rtol=1e-4, atol=1e-4)
+    axis = 2 if pool.layout.attn == "gqa" else 1  # [layers, (2,) pages, page_size, ...]
+
+    def slot(pos: int, table: list[int]) -> torch.Tensor:  # every layer's KV of one position
+        return pool.tensor.select(axis, table[pos // 4]).select(axis, pos % 4)
+
+    for (shared, _), (table, _) in zip(alts, tails, strict=True):
+        for pos in range(start, start + len(shared)):
+            assert torch.equal(slot(pos, table), slot(pos, pages))
+    table = tails[0][0]
+    bad = [SeqInput([8], start + 1, table, root=1), SeqInput([8], start, table, root=0)]
+    for b, why in zip(bad, ["not another input", "must follow one of"], strict=True):
+        with pytest.raises(ValueError, match=why):
+            target.forward(pool, [root_in, b])
+
+
+def test_a_tensor_parallel_runner_refuses_an_input_with_a_root():
+    """Its ranks get the inputs over the wire, without the copies: refused, not run wrong."""
+    from backends.runtime.tp.runner import _wire
+
+    assert len(_wire([SeqInput([1, 2], 4, [0, 1])])) == 1
+    with pytest.raises(ValueError, match="no input with a root"):
+        _wire([SeqInput([1, 2], 4, [0, 1]), SeqInput([3], 5, [0, 2], root=0)])

@@ -343,7 +343,10 @@ class TPModelRunner(ShardRunner):
 
 def _wire(seqs: list[SeqInput]) -> list[tuple]:
     """Each sequence as a FORWARD / PREFILL command carries it (its window pages and state
-    slot if any)."""
+    slot if any). An input with a root (spec_branches) is refused: the ranks would not copy
+    its shared KV."""
+    if any(s.root is not None for s in seqs):
+        raise ValueError("a tensor-parallel runner takes no input with a root (SeqInput.root)")
     return [wire_seq(s.token_ids, s.start_pos, s.pages, s.window_pages, s.slot) for s in seqs]
 
 
