@@ -11,6 +11,7 @@ import spec_models as sm
 import torch
 from eagle_heads import random_head, trained_head
 
+from backends.runtime.loader import load_runner
 from backends.runtime.paged import SeqInput
 from backends.runtime.sampling_params import SamplingParams
 from backends.runtime.spec import DraftSpec, load_draft
@@ -141,12 +142,14 @@ def test_copy_page_copies_every_layer_of_one_page(kind, llama, mla):
         pool.copy_page(src, 5)  # a free page
 
 
-@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3", "llama fp8"])
 def test_an_input_with_a_root_attends_to_the_roots_first_tokens(kind, llama, mla):
     """Chains fed alone after their root's first tokens (KV computed once, by the root input)
     give the logits of those tokens and the chain fed as a sequence of its own; their tail
-    pages hold the shared tokens' KV, as the root's page does."""
-    target = llama if kind == "llama" else mla
+    pages hold the shared tokens' KV, as the root's page does (an fp8 pool: its bytes)."""
+    target = {"llama": llama, "deepseek_v3": mla}.get(kind)
+    if target is None:
+        target = load_runner(rm.checkpoint("llama"), kv_cache_dtype="float8_e4m3fn")
     prompt = rm.random_prompt(10, seed=3)
     context, last, start = prompt[:-1], prompt[-1], len(prompt) - 1  # start: mid-page
     main = [5, 6, 7]
@@ -165,8 +168,10 @@ def test_an_input_with_a_root_attends_to_the_roots_first_tokens(kind, llama, mla
         torch.testing.assert_close(g, w[len(shared) :], rtol=1e-4, atol=1e-4)
     axis = 2 if pool.layout.attn == "gqa" else 1  # [layers, (2,) pages, page_size, ...]
 
+    kv = pool.tensor.view(torch.uint8) if pool.tensor.element_size() == 1 else pool.tensor
+
     def slot(pos: int, table: list[int]) -> torch.Tensor:  # every layer's KV of one position
-        return pool.tensor.select(axis, table[pos // 4]).select(axis, pos % 4)
+        return kv.select(axis, table[pos // 4]).select(axis, pos % 4)
 
     for (shared, _), (table, _) in zip(alts, tails, strict=True):
         for pos in range(start, start + len(shared)):
