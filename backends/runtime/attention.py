@@ -64,7 +64,7 @@ def attend(
     ``sinks``: [H] float32 sink logits (gpt-oss), else None: every path takes them but SDPA's
     flash prefill and the compiled decode kernel, which then do not run. The new KV is in
     the pool already; ``meta.copies`` (SeqInput.root) are copied first."""
-    copy_slots(k_cache, meta)  # the KV a root's first token shares (SeqInput.root)
+    copy_slots(k_cache, meta)  # the KV a root's first tokens share (SeqInput.root)
     if v_cache is not None:
         copy_slots(v_cache, meta)
     ks = kv_scales or (1.0, 1.0)

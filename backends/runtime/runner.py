@@ -203,8 +203,11 @@ class ModelRunner:
         windows = [s.window_pages for s in seqs]
         meta = self._meta(pool, spans, [s.slot for s in seqs], windows)
         meta.copies = root_copies(seqs, pool.page_size, self.device)
-        if meta.copies is not None and pool.window is not None:
-            raise ValueError("an input with a root needs a pool without a sliding-window entry")
+        if meta.copies is not None and (pool.window is not None or pool.states is not None):
+            raise ValueError(
+                "an input with a root needs a pool without a sliding-window entry or recurrent "
+                "states (only its KV is shared)"
+            )
         return meta
 
     def _check_groups(self, groups: list[tuple[int, int]] | None) -> list[tuple[int, int]]:

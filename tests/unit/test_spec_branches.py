@@ -190,3 +190,15 @@ def test_a_tensor_parallel_runner_refuses_an_input_with_a_root():
     assert len(_wire([SeqInput([1, 2], 4, [0, 1])])) == 1
     with pytest.raises(ValueError, match="no input with a root"):
         _wire([SeqInput([1, 2], 4, [0, 1]), SeqInput([3], 5, [0, 2], root=0)])
+
+
+def test_a_pool_with_recurrent_states_refuses_an_input_with_a_root():
+    """Only KV is copied to a rooted input: a recurrent layer's state would miss the root's
+    tokens, so the forward is refused."""
+    target = load_runner(rm.checkpoint("nemotron_h"))
+    pool = target.make_pool(16, 4)
+    slots = [pool.states.alloc(), pool.states.alloc()]
+    seqs = [SeqInput([5, 6], 0, pool.alloc(1), slots[0]),
+            SeqInput([7], 1, pool.alloc(1), slots[1], root=0)]  # fmt: skip
+    with pytest.raises(ValueError, match="recurrent states"):
+        target.forward(pool, seqs)
