@@ -332,15 +332,10 @@ def plan(args, rng: random.Random) -> list[dict]:
 
 
 def kill_one_prefill(server) -> int | None:
-    for pid in proc_net.group(server.pid):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"/prefill/1/model.py" in cmd:
-            os.kill(pid, signal.SIGKILL)
-            return pid
-    return None
+    pid = proc_net.stage_stub(server.pid, "prefill")
+    if pid is not None:
+        os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 def wait_reloads(server, timeout_s: float) -> int:

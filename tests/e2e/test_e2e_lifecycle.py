@@ -37,11 +37,9 @@ def long_request(server, stream: bool, out: dict) -> threading.Thread:
 
 
 def _stub(pgid: int, stage: str) -> int:
-    for p in proc_net.group(pgid):
-        with open(f"/proc/{p}/cmdline", "rb") as f:
-            if f"/{stage}/1/model.py".encode() in f.read():
-                return p
-    raise AssertionError(f"no {stage} stub process")
+    pid = proc_net.stage_stub(pgid, stage)
+    assert pid is not None, f"no {stage} stub process"
+    return pid
 
 
 def test_a_killed_stage_process_is_reloaded_and_serves_the_same_tokens(tmp_path, reference):

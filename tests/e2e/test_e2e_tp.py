@@ -29,19 +29,13 @@ PROMPTS = [("What is the capital of France?", True), ("The tallest mountain is",
 
 def stage_procs(pgid: int, stage: str) -> tuple[int, list[int]]:
     """(the stage's stub process, its TP worker processes)."""
-    for p in proc_net.group(pgid):
-        with open(f"/proc/{p}/cmdline", "rb") as f:
-            if f"/{stage}/1/model.py".encode() in f.read():
-                return p, [c for c in proc_net.tree(p) if c != p and _is_worker(c)]
-    raise AssertionError(f"no {stage} stub process")
+    p = proc_net.stage_stub(pgid, stage)
+    assert p is not None, f"no {stage} stub process"
+    return p, [c for c in proc_net.tree(p) if c != p and _is_worker(c)]
 
 
 def _is_worker(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"spawn_main" in f.read()  # not the resource tracker
-    except OSError:
-        return False
+    return b"spawn_main" in proc_net.cmdline(pid)  # not the resource tracker
 
 
 def _running(pid: int) -> bool:

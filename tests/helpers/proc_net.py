@@ -38,6 +38,25 @@ def group(pgid: int) -> list[int]:
     ]
 
 
+def cmdline(pid: int) -> bytes:
+    """``pid``'s command line (arguments separated by NUL), or b"" when it is gone: a process
+    of a live group can exit between a listing and this read."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def stage_stub(pgid: int, stage: str) -> int | None:
+    """The live stub process of ``stage`` (its ``/STAGE/1/model.py``) in group ``pgid``, or
+    None."""
+    for p in group(pgid):
+        if f"/{stage}/1/model.py".encode() in cmdline(p):
+            return p
+    return None
+
+
 def _socket_inodes(pid: int) -> set[str]:
     out = set()
     try:
