@@ -21,8 +21,7 @@ HOST = "127.0.0.1"  # serve.sh's default for Triton's ports and the stages' boot
 
 
 def _cmd(pid: int) -> str:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().replace(b"\0", b" ").decode(errors="replace")
+    return proc_net.cmdline(pid).replace(b"\0", b" ").decode(errors="replace")
 
 
 def _stages(server) -> dict[str, list[int]]:
