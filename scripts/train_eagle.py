@@ -15,10 +15,11 @@ same). Anchors are the response positions and the last ``--prompt-anchors`` prom
 the other prompt positions only give the KV the anchors attend to (their queries, MLP and LM
 head are not computed). Loss: cross-entropy of each step's token (``x_{i+2+s}``, the target's
 own; with ``--soft-labels`` W, W of the label is the target's own distribution of that token,
-its LM head on ``f_{i+1+s}``, as EAGLE trains), prompt targets weighted ``--prompt-weight``, +
-``--feature-weight`` x smooth-L1 of step 0's ``g_i`` against ``f_{i+1}``. Input features get
-Gaussian noise (``--noise``). The decoder layer is transformers' Llama layer with the chain's
-attention spelled out, the same math the runtime runs (checked by a test).
+its LM head on ``f_{i+1+s}``, as EAGLE trains: W = 1 by default), prompt targets weighted
+``--prompt-weight``, + ``--feature-weight`` x smooth-L1 of step 0's ``g_i`` against
+``f_{i+1}``. Input features get Gaussian noise (``--noise``). The decoder layer is transformers'
+Llama layer with the chain's attention spelled out, the same math the runtime runs (checked by
+a test).
 
     .venv/bin/python scripts/train_eagle.py --out models/smollm2-135m-instruct-eagle
 
@@ -377,9 +378,9 @@ def parse_args(argv=None):
     ap.add_argument("--feature-weight", type=float, default=1.0)
     ap.add_argument("--prompt-weight", type=float, default=0.2,
                     help="loss weight of prompt targets (response targets weigh 1)")  # fmt: skip
-    ap.add_argument("--soft-labels", type=float, default=0.0,
+    ap.add_argument("--soft-labels", type=float, default=1.0,
                     help="weight of the target's own distribution in each label (0: the token"
-                    " only; 1: the distribution only, as EAGLE trains)")  # fmt: skip
+                    " only; 1, the default: the distribution only, as EAGLE trains)")  # fmt: skip
     ap.add_argument("--prompt-anchors", type=int, default=16,
                     help="prompt positions before the response trained as anchors")  # fmt: skip
     chain = "drafting steps trained as served (the head reads its own output)"
