@@ -34,7 +34,8 @@ never pays, which the adaptive policy must turn off (target-only speed within a 
 
 ``--pd`` also runs each set's prompts (b at a time) through a prefill stage in its own process
 and a decode stage in this one (real Mooncake over loopback, :func:`pd_spec_stats`), and again
-colocated, both drafting at every step: PD must give the colocated acceptance and tokens.
+colocated, both drafting at every step with the largest k and W and the lowest cut: PD must
+give the colocated acceptance and tokens.
 """
 
 from __future__ import annotations
@@ -238,8 +239,8 @@ def batches_of(texts: list[list[int]], b: int) -> list[list[list[int]]]:
 
 def pd_spec_stats(model: str, draft: str, k: int, groups: list[list[list[int]]],
                   max_tokens: int, page_size: int, ignore_eos: bool = False,
-                  adaptive: bool = True, max_batch: int = 0,
-                  branches: int = 1) -> dict:  # fmt: skip
+                  adaptive: bool = True, max_batch: int = 0, branches: int = 1,
+                  min_confidence: float = StageParams.spec_min_confidence) -> dict:  # fmt: skip
     """Speculative decoding through PD: a prefill stage in its own process and a decode stage in
     this one, real Mooncake over loopback, the same prompts as the colocated runs, each group
     at once and the groups one after the other (as colocated), greedy; -> the decode stage's
@@ -256,7 +257,7 @@ def pd_spec_stats(model: str, draft: str, k: int, groups: list[list[list[int]]],
     params = dict(model_dir=model, page_size=page_size, num_pages=per * b + 8,
                   spec_enabled=True, draft_model_dir=draft, spec_tokens=k,
                   spec_max_batch=max_batch, spec_adaptive=adaptive, max_batch=b,
-                  spec_branches=branches,
+                  spec_branches=branches, spec_min_confidence=min_confidence,
                   bootstrap_timeout_s=60.0, max_context=min(limit, 2048),
                   max_tokens_limit=min(limit, 2048) - 1)  # fmt: skip
     prefill = PrefillProcess(**params)
@@ -293,21 +294,22 @@ def pd_spec_stats(model: str, draft: str, k: int, groups: list[list[list[int]]],
 
 
 def pd_row(args, target, draft, name: str, texts: list[list[int]]) -> dict:
-    """PD against colocated on a set's prompts at the largest batch and k, both drafting at
-    every step (the adaptive policy's choices follow the machine's timings, so two runs make
-    them differently): the same acceptance and the same tokens show the head's or draft's
-    state arrived whole."""
+    """PD against colocated on a set's prompts at the largest batch, k and W and the lowest
+    cut, both drafting at every step (the adaptive policy's choices follow the machine's
+    timings, so two runs make them differently): the same acceptance and the same tokens show
+    the head's or draft's state arrived whole."""
     b, k = max(args.batches), max(args.spec_tokens)
     groups = batches_of(texts, b)
-    w = max(args.branches)
-    colo_engine = make_spec(args, target, draft, k, False, b, texts, branches=w)
+    w, c = max(args.branches), min(args.min_confidence)
+    colo_engine = make_spec(args, target, draft, k, False, b, texts, c, w)
     _, outputs, colo = run_once(colo_engine, groups, args.max_tokens, args.ignore_eos)
     pd = pd_spec_stats(args.model, args.draft, k, groups, args.max_tokens, args.page_size,
-                       args.ignore_eos, False, args.spec_max_batch, w)  # fmt: skip
+                       args.ignore_eos, False, args.spec_max_batch, w, c)  # fmt: skip
     log(f"{name} PD batch {b} k={k}: acceptance {pd['acceptance_rate']:.3f}"
         f" (colocated {colo['acceptance_rate']:.3f})")  # fmt: skip
     return {"acceptance_pd": pd["acceptance_rate"], "acceptance_colocated": colo["acceptance_rate"],
             "tokens_per_step_pd": pd["mean_accepted_length"],
+            "tokens_per_step_colocated": colo["mean_accepted_length"],
             "acceptance_pd_over_colocated": pd["acceptance_rate"] / colo["acceptance_rate"]
             if colo["acceptance_rate"] else None,
             "pd_same_tokens_as_colocated": pd["outputs"] == outputs}  # fmt: skip

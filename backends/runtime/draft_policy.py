@@ -20,10 +20,20 @@ step. Both sides are measured here, online:
   both means borrows the nearest bucket's ratio; with none anywhere, sequences draft (that is
   how it gets measured).
 
-A drafting sequence stops when ``est < r`` (``switched_off``), decodes plainly for
+Both sides are noisy estimates, and the two mistakes cost differently: a sequence switched off
+wrongly loses its whole speedup for ``probe_interval`` steps or more, one left on wrongly loses
+at most the gap. So a drafting sequence drafts on while ``est >= r / (1 + margin)``: with
+``margin`` 0.1, until it is clearly slower than plain decoding. Drafting starts again (a probe's
+verdict, a new sequence while the server's mean is low) only at ``est >= r``: hysteresis, so a
+head that never pays is not kept on by the margin. (SmolLM2's head, four
+chains cut at 0.175, on the benchmark's hand-written prompts, 2 CPU cores: with no margin the
+policy held back 5-19 % of the steps, switching off sequences whose ``est`` was 0.97-0.99 r,
+while r measured step by step spread 1.3-1.7; docs/benchmarks.md.)
+
+A drafting sequence stops when ``est < r / (1 + margin)`` (``switched_off``), decodes plainly for
 ``probe_interval`` x its backoff of its own steps, then *probes*: drafts ``probe_steps`` verify
-steps with its own mean reset; if ``est >= r`` it drafts on (backoff 1), else it waits twice as
-long (up to ``max_backoff``). The **server** stops too: a new sequence starts undrafted (its
+steps with its own mean reset; if ``est >= r`` it drafts on (backoff 1), else it waits twice
+as long (up to ``max_backoff``). The **server** stops too: a new sequence starts undrafted (its
 probe due after ``probe_interval`` x the server's backoff) while the server's mean is under
 ``r``; the server's backoff doubles with every failed probe and resets at a passed one, so a
 useless head costs a probe now and then while prompts that do pay are found within a few
@@ -62,6 +72,7 @@ class AdaptiveDrafting:
     cost_every: int = 128  # drafted steps between cost probes once a bucket has 3 plain steps
     min_ratio: float = 1.05  # a drafted step never costs less than a plain one (timing noise)
     cost_ratio: float | None = None  # fixed r for every batch size (None: measured)
+    margin: float = 0.1  # a drafting sequence drafts on while est >= r / (1 + margin)
 
     def __post_init__(self) -> None:
         for name in ("probe_interval", "probe_steps", "max_backoff", "window", "server_window",
@@ -69,8 +80,8 @@ class AdaptiveDrafting:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        if self.prior_steps < 0 or self.min_ratio < 1:
-            raise ValueError("prior_steps must be >= 0 and min_ratio >= 1")
+        if self.prior_steps < 0 or self.min_ratio < 1 or self.margin < 0:
+            raise ValueError("prior_steps and margin must be >= 0 and min_ratio >= 1")
         if self.cost_ratio is not None and self.cost_ratio < 1:
             raise ValueError(f"cost_ratio must be >= 1, got {self.cost_ratio}")
 
@@ -210,9 +221,14 @@ class DraftPolicy:
             if s.probing == 0:
                 self._end_probe(s, seq_id)
 
-    def _pays(self, seq_id: str, r: float | None) -> bool:
-        est = self.estimate(seq_id)
-        return r is None or est is None or est >= r
+    def _pays(self, seq_id: str, r: float | None, margin: float = 0.0) -> bool:
+        return self._above(self.estimate(seq_id), r, margin)
+
+    @staticmethod
+    def _above(tokens: float | None, r: float | None, margin: float = 0.0) -> bool:
+        """Whether ``tokens`` per verify step reach cost ratio ``r`` within ``margin``
+        (unmeasured either side: they do)."""
+        return r is None or tokens is None or tokens * (1.0 + margin) >= r
 
     def _end_probe(self, s: _Seq, seq_id: str) -> None:
         cfg = self.config
@@ -234,13 +250,12 @@ class DraftPolicy:
             s = self.seqs.get(sid)
             if s is None:  # new: it starts as the server stands
                 s = self.seqs[sid] = _Seq(Mean(cfg.window), backoff=self.server_backoff)
-                server = self.server.value
-                if r is not None and server is not None and server < r:
+                if not self._above(self.server.value, r):
                     s.on, s.probe_at = False, 1 + cfg.probe_interval * s.backoff
                     self.stats.switched_off += 1
             s.steps += 1
             was_on = s.on
-            if s.on and not s.probing and s.seen >= 2 and not self._pays(sid, r):
+            if s.on and not s.probing and s.seen >= 2 and not self._pays(sid, r, cfg.margin):
                 s.on, s.probe_at = False, s.steps + cfg.probe_interval * s.backoff
                 self.stats.switched_off += 1
             server_due = self.server_idle >= cfg.probe_interval * self.server_backoff

@@ -13,6 +13,17 @@ import runtime_models as rm
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
+def _bench_json(args: str) -> dict:
+    """``benchmarks.spec ARGS --runs 1 --page-size 4 --json`` on the tiny llama -> its JSON."""
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.spec", "--model", rm.checkpoint("llama"),
+         *args.split(), "--runs", "1", "--page-size", "4", "--json"],
+        capture_output=True, text=True, timeout=180, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
 def test_bench_spec_json():
     args = "--random-prompts 6 --batches 1 3 --draft-layers 1 4 --spec-tokens 2 --max-tokens 8"
     args += " --ignore-eos"  # every sequence 8 tokens
@@ -63,14 +74,7 @@ def test_bench_spec_eagle_head_with_pd_json():
 
     head = trained_head(rm.checkpoint("llama"))
     args = f"--random-prompts 6 --batches 1 2 --draft {head} --spec-tokens 2 --max-tokens 8 --pd"
-    args += " --ignore-eos"
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.spec", "--model", rm.checkpoint("llama"),
-         *args.split(), "--runs", "1", "--page-size", "4", "--json"],
-        capture_output=True, text=True, timeout=180, cwd=ROOT,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout)
+    res = _bench_json(args + " --ignore-eos")
     for key in ("tokens_per_step", "acceptance_rate", "speedup_batch1", "acceptance_pd",
                 "acceptance_pd_over_colocated"):  # fmt: skip
         assert key in res, key
@@ -79,18 +83,24 @@ def test_bench_spec_eagle_head_with_pd_json():
     assert all(r.get("same", True) for r in res["results"])
 
 
+def test_bench_spec_pd_runs_the_measured_cut():
+    """--pd with a cut below the default: the PD decode stage cuts its chains there too, so
+    its tokens per verify step are the always-drafting colocated row's at that cut."""
+    from eagle_heads import trained_head
+
+    head = trained_head(rm.checkpoint("llama"))
+    args = f"--random-prompts 6 --batches 2 --draft {head} --spec-tokens 3 --max-tokens 12 --pd"
+    args += " --ignore-eos --policy always --branches 2 --min-confidence 0.02"
+    res = _bench_json(args)["sets"]["random"]
+    assert res["tokens_per_step_pd"] == res["tokens_per_step_colocated"] == res["tokens_per_step"]
+    assert res["pd_same_tokens_as_colocated"] is True
+
+
 def test_bench_spec_random_head_both_policies_json():
     """--random-head --policy both: an adaptive and an always-drafting row of a random head of
     the trained head's shape; the adaptive one switches drafting off, both are lossless."""
     args = "--random-prompts 6 --batches 1 --random-head --spec-tokens 3 --max-tokens 24"
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.spec", "--model", rm.checkpoint("llama"),
-         *args.split(), "--policy", "both", "--runs", "1", "--page-size", "4", "--json",
-         "--ignore-eos"],
-        capture_output=True, text=True, timeout=180, cwd=ROOT,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = {r["config"]: r for r in json.loads(out.stdout)["results"]}
+    rows = {r["config"]: r for r in _bench_json(args + " --policy both --ignore-eos")["results"]}
     assert set(rows) == {"target only", "draft random head k=3", "draft random head k=3 always"}
     adaptive, always = rows["draft random head k=3"], rows["draft random head k=3 always"]
     assert adaptive["adaptive"] and not always["adaptive"]

@@ -70,6 +70,37 @@ def test_a_good_draft_stays_on_and_a_bad_sequence_alone_drops_out():
     assert p.estimate("good") > 1.4 and p.seqs["bad"].accept.value == 1.0
 
 
+def test_a_sequence_near_the_cost_ratio_drafts_on_one_clearly_under_it_stops():
+    """Both estimates are noisy, so a sequence switches off only when clearly slower than plain
+    decoding: 1.5 tokens per verify step against r = 1.6 is inside the 10 % margin (it drafts
+    every step; with no margin it would go off), 1.0 is not."""
+    p = DraftPolicy(AdaptiveDrafting(probe_interval=64, cost_ratio=1.6))
+    plan = []
+    for i in range(60):
+        (go,) = p.plan(["near"])
+        plan.append(go)
+        if go:
+            p.observe("near", 3, (i + 1) % 2)  # 2 and 1 tokens in turn
+    assert all(plan) and p.stats.switched_off == 0
+    assert 1.6 / 1.1 < p.estimate("near") < 1.6
+    assert _run(p, "under", 20, 1.0)[-1] is False and p.stats.switched_off == 1
+    strict = DraftPolicy(AdaptiveDrafting(probe_interval=64, cost_ratio=1.6, margin=0.0))
+    for i in range(60):
+        if strict.plan(["near"])[0]:
+            strict.observe("near", 3, (i + 1) % 2)
+    assert strict.stats.switched_off == 1
+
+
+def test_the_margin_keeps_a_drafting_sequence_on_but_does_not_turn_drafting_on():
+    """Hysteresis: 1.0 token per verify step against r = 1.1 is within the margin, so the
+    sequence drafting since its start drafts on; but a new one starts undrafted (the server's
+    mean is under r) and its probes fail: a head that never pays is not kept on by the margin."""
+    p = DraftPolicy(AdaptiveDrafting(probe_interval=4, cost_ratio=1.1))
+    assert all(_run(p, "first", 20, 1.0))
+    plan = _run(p, "next", 40, 1.0)
+    assert not plan[0] and sum(plan) < len(plan) / 2
+
+
 def test_drafting_resumes_when_it_pays_again():
     """A sequence whose drafts start paying while it is off drafts again from its next probe;
     and the server: a new sequence starts off while the server's mean is under r, and on
@@ -242,7 +273,13 @@ def test_an_undrafted_head_step_samples_from_the_target(llama):
 
 
 def test_bad_policy_parameters_are_refused():
-    for kw in ({"probe_interval": 0}, {"window": 1.5}, {"min_ratio": 0.9}, {"cost_ratio": 0.5}):
+    for kw in (
+        {"probe_interval": 0},
+        {"window": 1.5},
+        {"min_ratio": 0.9},
+        {"cost_ratio": 0.5},
+        {"margin": -0.1},
+    ):
         with pytest.raises(ValueError):
             AdaptiveDrafting(**kw)
 
