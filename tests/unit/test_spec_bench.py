@@ -28,17 +28,7 @@ def test_bench_spec_json():
     args = "--random-prompts 6 --batches 1 3 --draft-layers 1 4 --spec-tokens 2 --max-tokens 8"
     args += " --ignore-eos"  # every sequence 8 tokens
     args += " --min-confidence 0"  # chains of k: a tiny random model's drafts are never sure
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.spec", "--model", rm.checkpoint("llama")]
-        + args.split()
-        + ["--runs", "1", "--page-size", "4", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-        cwd=ROOT,
-    )
-    res = json.loads(out.stdout)
+    res = _bench_json(args)
     assert {r["set"] for r in res["results"]} == {"random"} and res["worst_set"] == "random"
     rows = {(r["config"], r["batch"]): r for r in res["results"]}
     assert sorted(rows) == sorted(
