@@ -4,8 +4,9 @@ Each batch runs the same chat prompts through the plain engine (target only) and
 speculative engine (self-draft of the target's first K layers, a draft checkpoint or an EAGLE
 head), greedy, up to ``--max-tokens`` tokens per sequence, ending at EOS as served
 (``--ignore-eos``: always ``--max-tokens``); greedy speculation is lossless, so both engines
-produce the same tokens either way. The engines of a batch size take turns, run by run, so
-that a drift of the machine's speed hits them alike. Decode tokens/s counts every token after
+produce the same tokens either way. The engines of a batch size take turns prompt group by
+prompt group (a group: the b prompts of one batch), so that a drift of the machine's speed hits
+them alike. Decode tokens/s counts every token after
 the first (the first comes from prefill) over the time of the steps after admission. Each
 number is the median of --runs runs; the greedy outputs of both engines are compared token for
 token (column ``same``). Each engine's ``step_split`` says where its steps' time went: the
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import statistics
@@ -165,28 +167,40 @@ class StepSplit:
                 "draft_calls": self.calls / n}  # fmt: skip
 
 
+def run_group(engine, prompts: list[list[int]], max_tokens: int, ignore_eos: bool,
+              split: StepSplit, tag: str = "g") -> tuple[int, float, list]:  # fmt: skip
+    """One batch of prompts to the end -> (decode tokens, seconds of the steps after
+    admission, outputs); ``split`` times where those steps' time went."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+    seqs = [engine.add_request(f"{tag}-{i}", p, params) for i, p in enumerate(prompts)]
+    engine.step()  # admission: prefill + first token, not timed
+    t = time.perf_counter()
+    with split.timing(engine):
+        while engine.has_unfinished():
+            engine.step()
+            split.steps += 1
+    dt = time.perf_counter() - t
+    split.total += dt
+    return sum(len(s.output_ids) - 1 for s in seqs), dt, [s.output_ids for s in seqs]
+
+
+def fresh_stats(engine) -> None:
+    """A speculative engine's counters from zero (one run's)."""
+    if isinstance(engine, SpecEngine):
+        engine.stats = type(engine.stats)()
+
+
 def run_once(engine, groups: list[list[list[int]]], max_tokens: int, ignore_eos: bool = False,
              split: StepSplit | None = None) -> tuple[float, list, dict]:  # fmt: skip
     """Each group of prompts as one batch, the groups one after the other. -> (decode
     tokens/s over all groups, outputs, spec stats of this run); ``split`` also times where
     the steps' time went."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
-    if isinstance(engine, SpecEngine):
-        engine.stats = type(engine.stats)()
+    fresh_stats(engine)
     split = split or StepSplit()
     dt, outputs, n = 0.0, [], 0
     for g, prompts in enumerate(groups):
-        seqs = [engine.add_request(f"g{g}-{i}", p, params) for i, p in enumerate(prompts)]
-        engine.step()  # admission: prefill + first token, not timed
-        t = time.perf_counter()
-        with split.timing(engine):
-            while engine.has_unfinished():
-                engine.step()
-                split.steps += 1
-        dt += time.perf_counter() - t
-        outputs += [s.output_ids for s in seqs]
-        n += sum(len(s.output_ids) - 1 for s in seqs)
-    split.total += dt
+        tokens, secs, outs = run_group(engine, prompts, max_tokens, ignore_eos, split, f"g{g}")
+        n, dt, outputs = n + tokens, dt + secs, outputs + outs
     stats = engine.stats.as_dict() if isinstance(engine, SpecEngine) else {}
     return n / dt, outputs, stats
 
@@ -202,11 +216,12 @@ SPEC_KEYS = (
 
 
 def measure(makers: dict, groups, args) -> dict[str, dict]:
-    """Each engine ``makers`` builds, warmed up, then run in turn ``--runs`` times (a drift of
-    the machine's speed hits them alike; each run starts one engine further on, so no engine
-    always runs right after the same other one) -> per name the median decode tokens/s, the
-    spec stats (of the last run; greedy acceptance is the same every run, the policy's choices
-    nearly), where the steps' time went over every run (:class:`StepSplit`) and the outputs."""
+    """Each engine ``makers`` builds, warmed up, then run ``--runs`` times, the engines taking
+    turns group by group (each group's order one engine further on than the last's, so no
+    engine always runs right after the same other one): a drift of the machine's speed hits
+    them alike. -> per name the median over the runs of its decode tokens/s, the spec stats
+    (of the last run; greedy acceptance is the same every run, the policy's choices nearly),
+    where the steps' time went over every run (:class:`StepSplit`) and the outputs."""
     engines = {name: make() for name, make in makers.items()}
     for engine in engines.values():
         run_once(engine, [groups[0][:1]], 4)  # warm up
@@ -215,11 +230,20 @@ def measure(makers: dict, groups, args) -> dict[str, dict]:
     last: dict[str, tuple] = {}
     names = list(engines)
     for r in range(args.runs):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            rate, outputs, st = run_once(engines[name], groups, args.max_tokens, args.ignore_eos,
-                                         splits[name])  # fmt: skip
-            rates[name].append(rate)
-            last[name] = (outputs, st)
+        done = {name: (0, 0.0, []) for name in names}  # tokens, seconds, outputs
+        for engine in engines.values():
+            fresh_stats(engine)
+        for g, prompts in enumerate(groups):
+            first = (r + g) % len(names)
+            for name in names[first:] + names[:first]:
+                tokens, secs, outs = run_group(engines[name], prompts, args.max_tokens,
+                                               args.ignore_eos, splits[name], f"g{g}")  # fmt: skip
+                n, dt, outputs = done[name]
+                done[name] = (n + tokens, dt + secs, outputs + outs)
+        for name, (n, dt, outputs) in done.items():
+            rates[name].append(n / dt)
+            engine = engines[name]
+            last[name] = (outputs, engine.stats.as_dict() if isinstance(engine, SpecEngine) else {})
     out = {}
     for name, (outputs, st) in last.items():
         res = {"decode_tok_s": statistics.median(rates[name]), "runs_tok_s": rates[name],
@@ -240,7 +264,8 @@ def batches_of(texts: list[list[int]], b: int) -> list[list[list[int]]]:
 def pd_spec_stats(model: str, draft: str, k: int, groups: list[list[list[int]]],
                   max_tokens: int, page_size: int, ignore_eos: bool = False,
                   adaptive: bool = True, max_batch: int = 0, branches: int = 1,
-                  min_confidence: float = StageParams.spec_min_confidence) -> dict:  # fmt: skip
+                  min_confidence: float = StageParams.spec_min_confidence,
+                  max_drafts: int = 0) -> dict:  # fmt: skip
     """Speculative decoding through PD: a prefill stage in its own process and a decode stage in
     this one, real Mooncake over loopback, the same prompts as the colocated runs, each group
     at once and the groups one after the other (as colocated), greedy; -> the decode stage's
@@ -258,6 +283,7 @@ def pd_spec_stats(model: str, draft: str, k: int, groups: list[list[list[int]]],
                   spec_enabled=True, draft_model_dir=draft, spec_tokens=k,
                   spec_max_batch=max_batch, spec_adaptive=adaptive, max_batch=b,
                   spec_branches=branches, spec_min_confidence=min_confidence,
+                  spec_max_drafts=max_drafts,
                   bootstrap_timeout_s=60.0, max_context=min(limit, 2048),
                   max_tokens_limit=min(limit, 2048) - 1)  # fmt: skip
     prefill = PrefillProcess(**params)
@@ -294,17 +320,17 @@ def pd_spec_stats(model: str, draft: str, k: int, groups: list[list[list[int]]],
 
 
 def pd_row(args, target, draft, name: str, texts: list[list[int]]) -> dict:
-    """PD against colocated on a set's prompts at the largest batch, k and W and the lowest
-    cut, both drafting at every step (the adaptive policy's choices follow the machine's
-    timings, so two runs make them differently): the same acceptance and the same tokens show
-    the head's or draft's state arrived whole."""
+    """PD against colocated on a set's prompts at the largest batch, k and W, the lowest cut
+    and the first ``--max-drafts``, both drafting at every step (the adaptive policy's choices
+    follow the machine's timings, so two runs make them differently): the same acceptance and
+    the same tokens show the head's or draft's state arrived whole."""
     b, k = max(args.batches), max(args.spec_tokens)
     groups = batches_of(texts, b)
-    w, c = max(args.branches), min(args.min_confidence)
-    colo_engine = make_spec(args, target, draft, k, False, b, texts, c, w)
+    w, c, n = max(args.branches), min(args.min_confidence), args.max_drafts[0]
+    colo_engine = make_spec(args, target, draft, k, False, b, texts, c, w, n)
     _, outputs, colo = run_once(colo_engine, groups, args.max_tokens, args.ignore_eos)
     pd = pd_spec_stats(args.model, args.draft, k, groups, args.max_tokens, args.page_size,
-                       args.ignore_eos, False, args.spec_max_batch, w, c)  # fmt: skip
+                       args.ignore_eos, False, args.spec_max_batch, w, c, n)  # fmt: skip
     log(f"{name} PD batch {b} k={k}: acceptance {pd['acceptance_rate']:.3f}"
         f" (colocated {colo['acceptance_rate']:.3f})")  # fmt: skip
     return {"acceptance_pd": pd["acceptance_rate"], "acceptance_colocated": colo["acceptance_rate"],
@@ -317,15 +343,17 @@ def pd_row(args, target, draft, name: str, texts: list[list[int]]) -> dict:
 
 def make_spec(args, target, draft, k: int, adaptive: bool, b: int, texts,
               min_confidence: float = StageParams.spec_min_confidence,
-              branches: int = StageParams.spec_branches) -> SpecEngine:  # fmt: skip
+              branches: int = StageParams.spec_branches,
+              max_drafts: int = StageParams.spec_max_drafts) -> SpecEngine:  # fmt: skip
     """A speculative engine for batches of ``b`` of ``texts``, its policy as decode's with
     ``spec_adaptive`` = ``adaptive``, its chains cut at ``min_confidence``, ``branches``
-    chains per sequence."""
+    chains per sequence, at most ``max_drafts`` drafts a sequence verifies a step."""
     pages = b * -(-(max(map(len, texts)) + args.max_tokens) // args.page_size)
     pages += b * (branches - 1) * (-(-(k + 1) // args.page_size) + 1)  # the chains' own tails
     dpool = draft.make_pool(pages, args.page_size, role="draft")
     policy = draft_policy(StageParams(spec_adaptive=adaptive))
-    dspec = DraftSpec(draft, dpool, k, args.spec_max_batch, policy, min_confidence, branches)
+    dspec = DraftSpec(draft, dpool, k, args.spec_max_batch, policy, min_confidence, branches,
+                      max_drafts)  # fmt: skip
     return spec_engine(target, target.make_pool(pages, args.page_size), dspec, max_batch=b)
 
 
@@ -411,6 +439,9 @@ def parse_args(argv=None):
     ap.add_argument("--branches", type=int, nargs="+", default=[StageParams.spec_branches],
                     help="chains per sequence (decode's spec_branches; EAGLE heads); several:"
                     " a row each")  # fmt: skip
+    ap.add_argument("--max-drafts", type=int, nargs="+", default=[StageParams.spec_max_drafts],
+                    help="drafts a sequence verifies at most a step, its most confident (decode's"
+                    " spec_max_drafts; 0: no limit); several: a row each")  # fmt: skip
     ap.add_argument("--dtype", choices=MODEL_DTYPES, default=StageParams.dtype)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--page-size", type=int, default=StageParams.page_size)
@@ -478,22 +509,24 @@ def measure_set(args, target, drafts: dict, modes: list[bool], name: str, texts)
         def plain(pages=per_seq * b, b=b):
             return LLMEngine(target, target.make_pool(pages, args.page_size), max_batch=b)
 
-        def spec(draft, k, adaptive, c, w, b=b):
-            return make_spec(args, target, draft, k, adaptive, b, texts, c, w)
+        def spec(draft, k, adaptive, c, w, n, b=b):
+            return make_spec(args, target, draft, k, adaptive, b, texts, c, w, n)
 
         makers, info = {"target only": plain}, {}
+        several = {"c": len(args.min_confidence) > 1, "w": len(args.branches) > 1,
+                   "n": len(args.max_drafts) > 1}  # fmt: skip
         for dname, draft in drafts.items():
-            for k in args.spec_tokens:
-                for adaptive in modes:
-                    for c in args.min_confidence:
-                        config = f"{dname} k={k}" + ("" if adaptive else " always")
-                        config += f" c={c:g}" if len(args.min_confidence) > 1 else ""
-                        for w in args.branches:
-                            name_w = config + (f" w={w}" if len(args.branches) > 1 else "")
-                            makers[name_w] = (lambda d=draft, k=k, a=adaptive, c=c, w=w:
-                                              spec(d, k, a, c, w))  # fmt: skip
-                            info[name_w] = {"k": k, "adaptive": adaptive, "min_confidence": c,
-                                            "branches": w}  # fmt: skip
+            grid = itertools.product(args.spec_tokens, modes, args.min_confidence, args.branches,
+                                     args.max_drafts)  # fmt: skip
+            for k, adaptive, c, w, n in grid:
+                config = f"{dname} k={k}" + ("" if adaptive else " always")
+                config += f" c={c:g}" if several["c"] else ""
+                config += f" w={w}" if several["w"] else ""
+                config += f" n={n}" if several["n"] else ""
+                makers[config] = (lambda d=draft, k=k, a=adaptive, c=c, w=w, n=n:
+                                  spec(d, k, a, c, w, n))  # fmt: skip
+                info[config] = {"k": k, "adaptive": adaptive, "min_confidence": c, "branches": w,
+                                "max_drafts": n}  # fmt: skip
         results = measure(makers, groups, args)
         base = results["target only"]
         for config, res in results.items():

@@ -140,7 +140,8 @@ class DraftSpec:
     stopping confidence: a sequence's chain ends early once the product of the draft's
     probabilities of its drafts so far falls under ``min_confidence`` (0: always k drafts);
     ``branches``: chains per greedy sequence, the first one's and the next best first drafts'
-    (an EAGLE head only: :mod:`.spec_branches`)."""
+    (an EAGLE head only: :mod:`.spec_branches`); ``max_drafts``: the drafts a sequence's chains
+    verify at most in a step, its most confident ones (0: no limit; :class:`DraftChain`)."""
 
     runner: ModelRunner
     pool: KVPool
@@ -149,9 +150,11 @@ class DraftSpec:
     policy: AdaptiveDrafting | None = None
     min_confidence: float = 0.0
     branches: int = 1
+    max_drafts: int = 0
 
     def __post_init__(self) -> None:
-        for name, low in (("num_spec_tokens", 1), ("max_batch", 0), ("branches", 1)):
+        for name, low in (("num_spec_tokens", 1), ("max_batch", 0), ("branches", 1),
+                          ("max_drafts", 0)):  # fmt: skip
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
@@ -283,35 +286,67 @@ def _emitted_logprobs(
 
 
 class DraftChain:
-    """One step's draft lengths: ``ks[i]`` for sequence i, cut short where the draft's own
-    confidence runs out: once the product of the draft's probabilities of its drafts so far is
-    under ``min_confidence`` (:class:`DraftSpec`), the chain ends with that draft. The cut reads
-    the draft's side only (its distributions, its draws), so verification stays lossless."""
+    """One step's draft lengths: ``ks[i]`` for chain i (sequence i's own, or an alternative
+    :meth:`add` joins to a sequence), cut short where the draft's own confidence runs out: once
+    the product of the draft's probabilities of its drafts so far is under ``min_confidence``
+    (:class:`DraftSpec`), the chain ends with that draft. With ``max_drafts``, a sequence keeps
+    its ``max_drafts`` most confident drafts over all its chains: a chain stops once its next
+    draft could not be among them, and :meth:`keep_best` cuts the rest. The cuts read the
+    draft's side only (its distributions, its draws), so verification stays lossless."""
 
-    def __init__(self, ks: list[int], min_confidence: float):
-        self.ks, self.min_confidence = list(ks), min_confidence
-        self.confidence = [1.0] * len(ks)
+    def __init__(self, ks: list[int], min_confidence: float, max_drafts: int = 0):
+        self.ks, self.min_confidence, self.max_drafts = list(ks), min_confidence, max_drafts
+        self.trail: list[list[float]] = [[] for _ in ks]  # chain -> confidence after each draft
+        self.sequence = list(range(len(ks)))  # chain -> its sequence
+        self.of_sequence: dict[int, list[float]] = {}  # sequence -> its drafts' (max_drafts)
 
     def drafted(self, i: int, seq: Sequence, row: torch.Tensor, drafts: list[int], q: list):
-        """Sequence i proposed ``drafts[-1]`` from the logits ``row`` [V] (sampled: drawn from
+        """Chain i proposed ``drafts[-1]`` from the logits ``row`` [V] (sampled: drawn from
         ``q[-1]``, the distribution the verify's rejection rule uses)."""
-        if not self.min_confidence:
+        if not self.min_confidence and not self.max_drafts:
             return
         dist = row.float().softmax(-1) if seq.params.greedy else q[-1]
-        self.confidence[i] *= float(dist[drafts[-1]])
-        if self.confidence[i] < self.min_confidence:
+        trail = self.trail[i]
+        trail.append((trail[-1] if trail else 1.0) * float(dist[drafts[-1]]))
+        if trail[-1] < self.min_confidence:
             self.ks[i] = min(self.ks[i], len(drafts))
+        if self.max_drafts:
+            self.of_sequence.setdefault(self.sequence[i], []).append(trail[-1])
 
-    def add(self, k: int) -> int:
-        """One more chain (an alternative's, :mod:`.spec_branches`) of up to ``k`` drafts:
-        its index."""
+    def add(self, k: int, sequence: int) -> int:
+        """One more chain of up to ``k`` drafts for ``sequence`` (an alternative,
+        :mod:`.spec_branches`): its index."""
         self.ks.append(k)
-        self.confidence.append(1.0)
+        self.trail.append([])
+        self.sequence.append(sequence)
         return len(self.ks) - 1
 
     def wants(self, i: int, j: int) -> bool:
-        """Whether sequence i drafts a token after its first ``j``."""
-        return self.ks[i] > j
+        """Whether chain i drafts a token after its first ``j``."""
+        if self.ks[i] <= j:
+            return False
+        drafted = self.of_sequence.get(self.sequence[i], [])
+        if not self.max_drafts or len(drafted) < self.max_drafts:
+            return True
+        # its next draft is at most as confident as its last, and ranks after an equal one
+        return self.trail[i][-1] > sorted(drafted, reverse=True)[self.max_drafts - 1]
+
+    def keep_best(self, chains: list) -> None:
+        """Cut one sequence's ``chains`` (each with ``c``, its index here, and its ``drafts``
+        and ``qs``) to the sequence's ``max_drafts`` most confident drafts, the shallower first
+        among equals: each keeps a prefix, since confidence never rises along a chain."""
+        if not self.max_drafts:
+            return
+        ranked = sorted(
+            (-conf, depth, n)
+            for n, ch in enumerate(chains)
+            for depth, conf in enumerate(self.trail[ch.c][: len(ch.drafts)])
+        )
+        keep = [0] * len(chains)
+        for _, depth, n in ranked[: self.max_drafts]:
+            keep[n] = max(keep[n], depth + 1)
+        for ch, n in zip(chains, keep, strict=True):
+            del ch.drafts[n:], ch.qs[n:]
 
 
 # ---- engine ------------------------------------------------------------------------------------
@@ -429,7 +464,7 @@ class SpecEngine(LLMEngine):
         """Draft ks[i] tokens for seqs[i]: (draft tokens, draft distributions) per sequence."""
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        chain = DraftChain(ks, self.draft.min_confidence)
+        chain = DraftChain(ks, self.draft.min_confidence, self.draft.max_drafts)
         active = [i for i, k in enumerate(ks) if k > 0]
         inputs = []
         for i in active:  # first forward: every token without draft KV, up to the last one

@@ -91,12 +91,21 @@ class Branches:
                     break
                 head_pages, tail = fork
                 self._head_tails.append(tail)
-            alt = Chain(main.i, [t], chain.add(k), head_pages, main.feature)
+            alt = Chain(main.i, [t], chain.add(k, main.i), head_pages, main.feature)
             chain.drafted(alt.c, seq, row, alt.drafts, alt.qs)
             new.append(alt)
         if new:
             self.alts[main.i] = new
         return new
+
+    def keep_best(self, main: Chain, chain) -> None:
+        """Cut ``main``'s sequence's chains to its ``max_drafts`` most confident drafts
+        (:meth:`~.spec.DraftChain.keep_best`); an alternative left with none is dropped."""
+        alts = self.alts.get(main.i, [])
+        chain.keep_best([main] + alts)
+        alts[:] = [a for a in alts if a.drafts]
+        if not alts:
+            self.alts.pop(main.i, None)
 
     def drafted(self) -> None:
         """The chains are drafted: the head's tails are no longer read."""

@@ -98,8 +98,8 @@ class EagleSpecEngine(SpecEngine):
             inputs.append(SeqInput(tokens, s.draft_len, s.draft_pages))
             feats.append(s.draft_feats)
             s.draft_len, s.draft_feats = s.draft_len + n, s.draft_feats[:0]
-        chain = DraftChain(ks, self.draft.min_confidence)
-        rows = [Chain(i, drafts[i], i, seqs[i].draft_pages, qs=qs[i]) for i in active]
+        chain = DraftChain(ks, self.draft.min_confidence, self.draft.max_drafts)
+        mains = rows = [Chain(i, drafts[i], i, seqs[i].draft_pages, qs=qs[i]) for i in active]
         branches = self._branches = Branches(self.draft.branches, self.draft.pool, self.pool)
         j = 0
         try:
@@ -124,6 +124,8 @@ class EagleSpecEngine(SpecEngine):
             branches.close()
             self._branches = None
             raise
+        for r in mains:
+            branches.keep_best(r, chain)
         branches.drafted()
         return drafts, qs
 

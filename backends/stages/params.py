@@ -258,6 +258,13 @@ class StageParams:
         " its forward) and keeps the one that starts right (lossless; backends/runtime/"
         "spec_branches.py); 1 = one chain",
     )
+    spec_max_drafts: int = _p(
+        0,
+        ("decode",),
+        "the drafts a sequence's chains verify at most in a step, its most confident ones (the"
+        " draft's probability products; lossless): on a CPU a verify of up to 6 rows costs"
+        " little more than one row and a 7th adds about 4 ms (docs/serving.md); 0 = no limit",
+    )
     spec_probe_interval: int = _p(
         AdaptiveDrafting.probe_interval,
         ("decode",),
@@ -361,6 +368,7 @@ class StageParams:
             "local_prefill_max_tokens",
             "local_prefill_busy_tokens",
             "prefill_gather_ms",
+            "spec_max_drafts",
         )
         for name in zero_is_off:
             if getattr(self, name) < 0:

@@ -34,10 +34,12 @@ def spec_engine(
     max_batch: int = 16,
     spec_max_batch: int = 0,
     min_confidence: float = 0.0,
+    max_drafts: int = 0,
 ) -> SpecEngine:
     dpool = draft.make_pool(pages, draft_page_size, role="draft")
     pool = target.make_pool(pages, page_size)
-    dspec = DraftSpec(draft, dpool, k, spec_max_batch, min_confidence=min_confidence)
+    dspec = DraftSpec(draft, dpool, k, spec_max_batch, min_confidence=min_confidence,
+                      max_drafts=max_drafts)  # fmt: skip
     return SpecEngine(target, pool, dspec, max_batch=max_batch)
 
 

@@ -68,11 +68,13 @@ def _eagle(kind: str, **more):
 # -> (target checkpoint, spec parameters): an MLA target with a GQA draft checkpoint (they agree
 # about half the time), the same with fp8 KV (both entries fp8, each with its own scales), a
 # GQA target with a self-draft of its first half, and EAGLE heads (reduced vocabulary) on a GQA
-# and an MLA target, and on the GQA target with three chains per sequence (spec_branches)
+# and an MLA target, and on the GQA target with three chains per sequence (spec_branches) of
+# which it verifies its four most confident drafts (spec_max_drafts)
 CASES = {"mla-target+gqa-draft": _mla_gqa, "mla-target+gqa-draft-fp8": _mla_gqa_fp8,
          "gqa-self-draft": _self_draft, "gqa-target+eagle-head": _eagle("llama"),
          "mla-target+eagle-head": _eagle("deepseek_v3"),
-         "gqa-target+eagle-head-branches": _eagle("llama", spec_branches=3)}  # fmt: skip
+         "gqa-target+eagle-head-branches":
+             _eagle("llama", spec_branches=3, spec_max_drafts=4)}  # fmt: skip
 
 
 def prompt_kv(pool: KVPool, pages: list[int], n: int) -> torch.Tensor:
@@ -166,9 +168,11 @@ def test_spec_disaggregated_equals_colocated_and_transformers(case):
         k = params["spec_tokens"]
         stage = StageParams(**params)  # decode's chains end where it says, as many as it says
         dspec = DraftSpec(draft, dpool, k, min_confidence=stage.spec_min_confidence,
-                          branches=stage.spec_branches)  # fmt: skip
+                          branches=stage.spec_branches,
+                          max_drafts=stage.spec_max_drafts)  # fmt: skip
         colo = spec_engine(target, target.make_pool(96, 4), dspec)
-        assert decode.engine.draft.branches == stage.spec_branches  # the parameter reached it
+        assert decode.engine.draft.branches == stage.spec_branches  # the parameters reached it
+        assert decode.engine.draft.max_drafts == stage.spec_max_drafts
         seqs = colo.generate([(ids, SamplingParams(max_tokens=MAX_TOKENS)) for ids in PROMPTS])
         for i, s in enumerate(seqs):
             d = arrived[str(300 + i)][1]

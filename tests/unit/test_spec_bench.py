@@ -99,23 +99,28 @@ def test_bench_spec_random_head_both_policies_json():
     assert always["undrafted_steps"] == 0 and always["undrafted_share"] == 0.0
 
 
-def test_each_run_starts_one_engine_further_on(monkeypatch):
-    """No engine always runs right after the same other one: a fixed turn read 0.91-0.93x for
-    an engine that did the target's own work (docs/benchmarks.md, "A head that never pays")."""
+def test_engines_take_turns_group_by_group_each_group_one_further_on(monkeypatch):
+    """Every prompt group runs on each engine before the next group, and no engine always runs
+    right after the same other one: a fixed turn read 0.91-0.93x for an engine that did the
+    target's own work (docs/benchmarks.md, "A head that never pays"); turns of whole runs
+    (about 10 s each) let the host's drift between them reach the ratios."""
     from types import SimpleNamespace
 
     from benchmarks import spec as bench
 
     order = []
 
-    def fake_run_once(engine, groups, max_tokens, ignore_eos=False, split=None):
+    def fake_run_group(engine, prompts, max_tokens, ignore_eos, split, tag="g"):
         if max_tokens != 4:  # not the warm-up
-            order.append(engine)
-        return 1.0, [], {}
+            order.append((engine, prompts[0][0]))
+        return 2 if engine == "a" else 1, 0.5, [prompts[0]]
 
-    monkeypatch.setattr(bench, "run_once", fake_run_once)
+    monkeypatch.setattr(bench, "run_group", fake_run_group)
     makers = {name: (lambda name=name: name) for name in ("a", "b", "c")}
-    args = SimpleNamespace(runs=3, max_tokens=8, ignore_eos=False)
-    out = bench.measure(makers, [[[1]]], args)
-    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
-    assert list(out) == ["a", "b", "c"] and all(r["runs_tok_s"] == [1.0] * 3 for r in out.values())
+    args = SimpleNamespace(runs=2, max_tokens=8, ignore_eos=False)
+    out = bench.measure(makers, [[[1]], [[2]]], args)
+    assert order == [("a", 1), ("b", 1), ("c", 1), ("b", 2), ("c", 2), ("a", 2),
+                     ("b", 1), ("c", 1), ("a", 1), ("c", 2), ("a", 2), ("b", 2)]  # fmt: skip
+    assert list(out) == ["a", "b", "c"]
+    assert out["a"]["runs_tok_s"] == [4.0, 4.0] and out["b"]["runs_tok_s"] == [2.0, 2.0]
+    assert all(r["outputs"] == [[1], [2]] for r in out.values())

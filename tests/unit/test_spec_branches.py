@@ -30,9 +30,11 @@ def _prefilled(target, context: list[int], num_pages: int = 16):
     return pool, pages
 
 
-def _engine(target, head_dir: str, branches: int, pages: int = 64, k: int = 3):
+def _engine(target, head_dir: str, branches: int, pages: int = 64, k: int = 3,
+            max_drafts: int = 0):  # fmt: skip
     head = load_draft(target, path=head_dir)
-    dspec = DraftSpec(head, head.make_pool(pages, 4, role="draft"), k, branches=branches)
+    dspec = DraftSpec(head, head.make_pool(pages, 4, role="draft"), k, branches=branches,
+                      max_drafts=max_drafts)  # fmt: skip
     return spec_engine(target, target.make_pool(pages, 4), dspec)
 
 
@@ -69,6 +71,36 @@ def test_kept_alternatives_give_the_target_only_output(llama, branches):
         assert s.draft_len + len(s.draft_feats) == s.num_tokens - 1  # the head's invariant
     # kept alternatives, whose first draft was accepted: their KV became the sequences'
     assert engine.stats.branch_kept > 0
+    assert engine.pool.num_free == 64 and engine.draft.pool.num_free == 64
+
+
+@pytest.mark.parametrize("max_drafts", [0, 5])
+def test_max_drafts_bounds_what_a_sequence_verifies_a_step(llama, max_drafts):
+    """With four chains of three drafts, a sequence's verify rows (its input and the inputs
+    rooted at it) are at most 1 + max_drafts a step; the output stays target-only's and every
+    page comes back. Without the limit the same steps verify more."""
+    engine = _engine(llama, trained_head(rm.checkpoint("llama")), 4, max_drafts=max_drafts)
+    _second_choice_first(engine)
+    most = []
+    forward = engine.runner.forward
+
+    def counted(pool, inputs, *args, **kwargs):
+        if kwargs.get("features") and not kwargs.get("last_only"):  # a verify
+            rows: dict[int, int] = {}
+            for i, x in enumerate(inputs):
+                key = i if x.root is None else x.root
+                rows[key] = rows.get(key, 0) + len(x.token_ids)
+            most.append(max(rows.values()))
+        return forward(pool, inputs, *args, **kwargs)
+
+    engine.runner.forward = counted
+    try:
+        reqs = [(p, sm.greedy(m)) for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]
+        for (p, sp), s in zip(reqs, engine.generate(reqs), strict=True):
+            assert s.output_ids == sm.reference(llama, p, sp), p
+    finally:
+        del engine.runner.forward
+    assert most and (max(most) == 1 + max_drafts if max_drafts else max(most) > 6)
     assert engine.pool.num_free == 64 and engine.draft.pool.num_free == 64
 
 

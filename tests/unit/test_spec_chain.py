@@ -6,6 +6,8 @@ not the chain was cut before it."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import runtime_models as rm
 import spec_models as sm
@@ -18,6 +20,7 @@ from backends.runtime.sampling_params import SamplingParams
 from backends.runtime.sequence import FinishReason, Sequence
 from backends.runtime.spec import DraftChain, DraftSpec, load_draft, probs, self_draft
 from backends.runtime.spec_eagle import spec_engine
+from backends.stages.params import StageParams
 
 PROMPTS = [rm.random_prompt(n, seed=n) for n in (1, 4, 9, 14, 6)]
 MAX_TOKENS = [20, 9, 16, 3, 12]
@@ -45,6 +48,50 @@ def test_chain_ends_with_the_draft_that_takes_the_product_under_the_threshold():
     off = DraftChain([3], 0.0)
     off.drafted(0, _seq(greedy), _logits([0.5, 0.5]), [0], [])
     assert off.wants(0, 2) and not off.wants(0, 3)
+
+
+def test_max_drafts_keeps_a_sequences_most_confident_drafts_over_its_chains():
+    """A sequence's chains (its own and an alternative) share its max_drafts: a chain stops once
+    its next draft could not rank among them, the cut keeps a prefix of each, the shallower
+    first among equal confidences; another sequence's drafts do not count."""
+    greedy = _seq(sm.greedy(8))
+    chain = DraftChain([3, 3], 0.0, max_drafts=3)
+    alt = chain.add(3, 0)  # sequence 0's alternative
+    chain.drafted(0, greedy, _logits([0.6, 0.4]), [0], [])  # 0.6
+    chain.drafted(alt, greedy, _logits([0.6, 0.4]), [1], [])  # 0.4
+    chain.drafted(1, greedy, _logits([0.9, 0.1]), [0], [])  # sequence 1: 0.9
+    assert chain.wants(0, 1) and chain.wants(alt, 1) and chain.wants(1, 1)  # 2 of 3
+    chain.drafted(0, greedy, _logits([0.5, 0.5]), [0, 0], [])  # 0.3: the third draft
+    assert not chain.wants(0, 2)  # at most 0.3: no better than its own third best
+    assert chain.wants(alt, 1)  # 0.4 > 0.3: its next draft may rank
+    chain.drafted(alt, greedy, _logits([0.7, 0.3]), [1, 0], [])  # 0.28
+    assert not chain.wants(alt, 2) and chain.wants(1, 1)
+    main = SimpleNamespace(c=0, drafts=[0, 0], qs=[])
+    other = SimpleNamespace(c=alt, drafts=[1, 0], qs=[])
+    chain.keep_best([main, other])  # 0.6, 0.4, 0.3 (0.28 goes)
+    assert (main.drafts, other.drafts) == ([0, 0], [1])
+    chain.max_drafts = 2
+    chain.keep_best([main, other])
+    assert (main.drafts, other.drafts) == ([0], [1])
+    tie = DraftChain([2], 0.0, max_drafts=2)
+    tie_alt = tie.add(2, 0)
+    tie.drafted(0, greedy, _logits([0.5, 0.5]), [0], [])
+    tie.drafted(0, greedy, _logits([1.0, 0.0]), [0, 0], [])  # 0.5 again, one deeper
+    tie.drafted(tie_alt, greedy, _logits([0.5, 0.5]), [1], [])  # 0.5
+    a, b = SimpleNamespace(c=0, drafts=[0, 0], qs=[]), SimpleNamespace(c=tie_alt, drafts=[1], qs=[])
+    tie.keep_best([a, b])
+    assert (a.drafts, b.drafts) == ([0], [1])  # the alternative's first, not the deeper one
+    free = DraftChain([3], 0.0)  # no limit: nothing cut
+    free.drafted(0, greedy, _logits([0.1, 0.9]), [0], [])
+    free.keep_best([SimpleNamespace(c=0, drafts=[0], qs=[])])
+    assert free.wants(0, 1)
+
+
+def test_max_drafts_is_checked(llama):
+    with pytest.raises(ValueError, match="max_drafts must be an integer >= 0"):
+        sm.spec_engine(llama, self_draft(llama, 1), max_drafts=-1)
+    with pytest.raises(ValueError, match="spec_max_drafts must be >= 0"):
+        StageParams(spec_max_drafts=-1)
 
 
 def _seq(params: SamplingParams) -> Sequence:

@@ -119,7 +119,7 @@ class DecodeWorker:
             dpool = self.pools[DRAFT] = make_draft_pool(params, self.draft)
             spec = DraftSpec(self.draft, dpool, params.spec_tokens, params.spec_max_batch,
                              draft_policy(params), params.spec_min_confidence,
-                             params.spec_branches)  # fmt: skip
+                             params.spec_branches, params.spec_max_drafts)  # fmt: skip
             self.engine = spec_engine(self.runner, self.pool, spec, *size, **opts)
         cfg = params.transfer_config(identity=deployment_identity(params))
         runners = {"target": self.runner, DRAFT: self.draft}
