@@ -6,8 +6,8 @@ head), greedy, up to ``--max-tokens`` tokens per sequence, ending at EOS as serv
 (``--ignore-eos``: always ``--max-tokens``); greedy speculation is lossless, so both engines
 produce the same tokens either way. The engines of a batch size take turns prompt group by
 prompt group (a group: the b prompts of one batch), so that a drift of the machine's speed hits
-them alike. Decode tokens/s counts every token after
-the first (the first comes from prefill) over the time of the steps after admission. Each
+them alike. Decode tokens/s counts every token after the first (the first comes from prefill)
+over the time of the steps after admission. Each
 number is the median of --runs runs; the greedy outputs of both engines are compared token for
 token (column ``same``). Each engine's ``step_split`` says where its steps' time went: the
 target's forwards (with the rows a forward fed), the draft's calls and the rest
@@ -190,6 +190,11 @@ def fresh_stats(engine) -> None:
         engine.stats = type(engine.stats)()
 
 
+def run_stats(engine) -> dict:
+    """A speculative engine's counters since :func:`fresh_stats` ({} for the plain engine)."""
+    return engine.stats.as_dict() if isinstance(engine, SpecEngine) else {}
+
+
 def run_once(engine, groups: list[list[list[int]]], max_tokens: int, ignore_eos: bool = False,
              split: StepSplit | None = None) -> tuple[float, list, dict]:  # fmt: skip
     """Each group of prompts as one batch, the groups one after the other. -> (decode
@@ -201,8 +206,7 @@ def run_once(engine, groups: list[list[list[int]]], max_tokens: int, ignore_eos:
     for g, prompts in enumerate(groups):
         tokens, secs, outs = run_group(engine, prompts, max_tokens, ignore_eos, split, f"g{g}")
         n, dt, outputs = n + tokens, dt + secs, outputs + outs
-    stats = engine.stats.as_dict() if isinstance(engine, SpecEngine) else {}
-    return n / dt, outputs, stats
+    return n / dt, outputs, run_stats(engine)
 
 
 SPEC_KEYS = (
@@ -242,8 +246,7 @@ def measure(makers: dict, groups, args) -> dict[str, dict]:
                 done[name] = (n + tokens, dt + secs, outputs + outs)
         for name, (n, dt, outputs) in done.items():
             rates[name].append(n / dt)
-            engine = engines[name]
-            last[name] = (outputs, engine.stats.as_dict() if isinstance(engine, SpecEngine) else {})
+            last[name] = (outputs, run_stats(engines[name]))
     out = {}
     for name, (outputs, st) in last.items():
         res = {"decode_tok_s": statistics.median(rates[name]), "runs_tok_s": rates[name],

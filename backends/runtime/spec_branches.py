@@ -101,6 +101,8 @@ class Branches:
     def keep_best(self, main: Chain, chain) -> None:
         """Cut ``main``'s sequence's chains to its ``max_drafts`` most confident drafts
         (:meth:`~.spec.DraftChain.keep_best`); an alternative left with none is dropped."""
+        if not chain.max_drafts:
+            return
         alts = self.alts.get(main.i, [])
         chain.keep_best([main] + alts)
         alts[:] = [a for a in alts if a.drafts]
