@@ -8,8 +8,10 @@ produce the same tokens either way. The engines of a batch size take turns promp
 prompt group (a group: the b prompts of one batch), so that a drift of the machine's speed hits
 them alike. Decode tokens/s counts every token after the first (the first comes from prefill)
 over the time of the steps after admission. Each
-number is the median of --runs runs; the greedy outputs of both engines are compared token for
-token (column ``same``). Each engine's ``step_split`` says where its steps' time went: the
+number is the median of --runs runs. The speedup is the median over the runs of each run's
+ratio to target only in that run (``speedup_runs``; the ratio of the two medians beside it,
+``speedup_of_medians``). The greedy outputs of both engines are compared token for token
+(column ``same``). Each engine's ``step_split`` says where its steps' time went: the
 target's forwards (with the rows a forward fed), the draft's calls and the rest
 (:class:`StepSplit`; also in the log lines).
 
@@ -377,6 +379,7 @@ def set_summary(rows: list[dict]) -> dict:
            "undrafted_share": first["undrafted_share"]}  # fmt: skip
     for b, r in sorted(by_batch.items()):
         out[f"speedup_batch{b}"] = r["speedup"]
+        out[f"speedup_of_medians_batch{b}"] = r["speedup_of_medians"]
     return out
 
 
@@ -534,7 +537,7 @@ def measure_set(args, target, drafts: dict, modes: list[bool], name: str, texts)
         base = results["target only"]
         for config, res in results.items():
             if config != "target only":
-                res["speedup"] = res["decode_tok_s"] / base["decode_tok_s"]
+                res |= speedup(res["runs_tok_s"], base["runs_tok_s"])
                 res["same"] = res["outputs"] == base["outputs"]
             sp = res["step_split"]
             log(f"{name} batch {b} {config}: {res['decode_tok_s']:.1f} tok/s; a step"
@@ -544,6 +547,19 @@ def measure_set(args, target, drafts: dict, modes: list[bool], name: str, texts)
             rows.append({"set": name, "config": config, "batch": b, "adaptive": False}
                         | info.get(config, {}) | res)  # fmt: skip
     return rows
+
+
+def speedup(runs: list[float], base_runs: list[float]) -> dict:
+    """An engine's speedup over target only from their tokens/s of the same runs: the median
+    of each run's ratio (the engines of a run take turns group by group, so its ratio compares
+    one stretch of the machine's time), each run's ratio, and the ratio of the two medians
+    (which can compare a fast run of one engine with a slow run of the other)."""
+    paired = [r / b for r, b in zip(runs, base_runs, strict=True)]
+    return {
+        "speedup": statistics.median(paired),
+        "speedup_runs": paired,
+        "speedup_of_medians": statistics.median(runs) / statistics.median(base_runs),
+    }
 
 
 def print_table(args, meta: dict, rows: list[dict]) -> None:

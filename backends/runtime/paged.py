@@ -2,8 +2,10 @@
 
 A forward pass takes ``T`` new tokens flattened over ``B`` sequences ("varlen"). Sequence ``b``
 adds ``n_b`` tokens at positions ``[start_b, start_b + n_b)`` and attends to its whole context
-``[0, start_b + n_b)``, whose KV lives in its pages. :class:`BatchMeta` is built once per forward,
-with tensor ops (no Python loop over tokens), and shared by every layer:
+``[0, start_b + n_b)``, whose KV lives in its pages. :class:`BatchMeta` is built once per forward
+and shared by every layer (plain Python over the new tokens, a tensor op for the context's
+slots: a decode step's batch is a handful of small lists, where each tensor op's fixed cost
+would dominate):
 
 * ``write_slots [T]``: flat pool slot (``page * page_size + offset``) of each new token;
 * ``read_slots [B, L]``: flat slots of each sequence's context, padded to the longest ``L``;
@@ -120,21 +122,21 @@ class BatchMeta:
         """seqs: (start_pos, num_new_tokens, pages) per sequence."""
         starts, lengths, table = _check_and_table(seqs, page_size, num_pages)
         B, max_q = len(seqs), max(lengths)
-        ctx = starts + torch.tensor(lengths)  # [B]
-        seq_of, within, positions = _token_index(starts, lengths)
-        read_slots, write_slots = _slots(table, ctx, seq_of, positions, page_size)
-        if bool((starts == 0).all()):
+        ctx = [s + n for s, n in zip(starts, lengths, strict=True)]
+        if all(s == 0 for s in starts):
             kind = "prefill"
         else:
             kind = "decode" if max_q == 1 else "extend"
-        mask, causal = _mask(kind, starts, ctx, max_q, sliding_window)
+        starts_t, ctx_t = torch.tensor(starts), torch.tensor(ctx)
+        mask, causal = _mask(kind, starts_t, ctx_t, max_q, sliding_window)
+        q_index = [b * max_q + j for b, n in enumerate(lengths) for j in range(n)]
         return cls(
             kind=kind,
-            positions=positions.to(device),
-            write_slots=write_slots.to(device),
-            read_slots=read_slots.to(device),
-            ctx_lens=ctx.to(device),
-            q_index=(seq_of * max_q + within).to(device),
+            positions=torch.tensor(_positions(starts, lengths), device=device),
+            write_slots=torch.tensor(_write_slots(seqs, page_size), device=device),
+            read_slots=_read_slots(table, max(ctx), page_size).to(device),
+            ctx_lens=ctx_t.to(device),
+            q_index=torch.tensor(q_index, device=device),
             mask=None if mask is None else mask.to(device),
             lengths=lengths,
             num_seqs=B,
@@ -143,7 +145,7 @@ class BatchMeta:
             window=sliding_window,
             page_size=page_size,
             page_table=table.to(device=device, dtype=torch.int32),
-            starts=starts.to(device=device, dtype=torch.int32),
+            starts=starts_t.to(device=device, dtype=torch.int32),
         )
 
     def with_pages(self, seqs: list[tuple[int, int, list[int]]], num_pages: int) -> BatchMeta:
@@ -153,14 +155,12 @@ class BatchMeta:
         starts, lengths, table = _check_and_table(seqs, self.page_size, num_pages)
         if lengths != self.lengths:
             raise ValueError("a batch over other pages must have the same sequences")
-        seq_of, _, positions = _token_index(starts, lengths)
-        ctx = starts + torch.tensor(lengths)
-        read_slots, write_slots = _slots(table, ctx, seq_of, positions, self.page_size)
+        L = max(s + n for s, n in zip(starts, lengths, strict=True))
         device = self.positions.device
         return replace(
             self,
-            write_slots=write_slots.to(device),
-            read_slots=read_slots.to(device),
+            write_slots=torch.tensor(_write_slots(seqs, self.page_size), device=device),
+            read_slots=_read_slots(table, L, self.page_size).to(device),
             page_table=table.to(device=device, dtype=torch.int32),
             recurrent=None,
             window_batch=None,
@@ -228,49 +228,50 @@ class BatchMeta:
 
 def _check_and_table(
     seqs: list[tuple[int, int, list[int]]], page_size: int, num_pages: int
-) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-    """-> (starts [B], new-token counts, page table [B, P] padded with page 0)."""
+) -> tuple[list[int], list[int], torch.Tensor]:
+    """-> (starts, new-token counts, page table [B, P] of the blocks each sequence reaches,
+    padded with page 0)."""
     if not seqs:
         raise ValueError("a forward needs at least one sequence")
-    need = []
+    rows = []
     for b, (start, n, pages) in enumerate(seqs):
         if n <= 0:
             raise ValueError(f"sequence {b} has no new tokens")
-        need.append(-(-(start + n) // page_size))
-        if len(pages) < need[-1]:
+        need = -(-(start + n) // page_size)
+        if len(pages) < need:
             raise ValueError(
-                f"sequence {b}: {start + n} tokens need {need[-1]} pages of {page_size}, "
+                f"sequence {b}: {start + n} tokens need {need} pages of {page_size}, "
                 f"got {len(pages)}"
             )
-    width = max(need)
-    rows = [list(p[:k]) + [0] * (width - k) for (_, _, p), k in zip(seqs, need, strict=True)]
-    table = torch.tensor(rows)
-    used = torch.arange(width)[None, :] < torch.tensor(need)[:, None]  # [B, P]
-    bad = used & ((table < 0) | (table >= num_pages))
-    if bool(bad.any()):
-        b = int(bad.any(1).nonzero()[0])
-        raise IndexError(
-            f"sequence {b}: pages {table[b][bad[b]].tolist()} outside the pool [0, {num_pages})"
-        )
-    return torch.tensor([s for s, _, _ in seqs]), [n for _, n, _ in seqs], table
+        rows.append(list(pages[:need]))
+        if min(rows[-1]) < 0 or max(rows[-1]) >= num_pages:
+            bad = [p for p in rows[-1] if not 0 <= p < num_pages]
+            raise IndexError(f"sequence {b}: pages {bad} outside the pool [0, {num_pages})")
+    width = max(map(len, rows))
+    table = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    return [s for s, _, _ in seqs], [n for _, n, _ in seqs], table
 
 
-def _token_index(starts: torch.Tensor, lengths: list[int]):
-    """-> (seq_of [T]: each new token's sequence, within [T]: its index inside it, positions
-    [T]: its position)."""
-    seq_of = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))  # [T]
-    first = torch.tensor([0] + lengths[:-1]).cumsum(0)  # [B] first flat token of each seq
-    within = torch.arange(len(seq_of)) - first[seq_of]  # [T] index inside its sequence
-    return seq_of, within, starts[seq_of] + within
+def _positions(starts: list[int], lengths: list[int]) -> list[int]:
+    """Each new token's position, sequence after sequence."""
+    return [p for s, n in zip(starts, lengths, strict=True) for p in range(s, s + n)]
 
 
-def _slots(table, ctx, seq_of, positions, page_size: int):
-    """table [B, P], ctx [B], seq_of and positions [T] -> (read_slots [B, L]: each sequence's
-    context slots through its page table, padded to the longest context L; write_slots [T]:
-    each new token's slot)."""
-    offs = torch.arange(int(ctx.max()))
-    read_slots = table[:, offs // page_size] * page_size + offs % page_size  # [B, L]
-    return read_slots, read_slots[seq_of, positions]
+def _write_slots(seqs: list[tuple[int, int, list[int]]], page_size: int) -> list[int]:
+    """Each new token's flat slot through its sequence's pages."""
+    return [
+        pages[p // page_size] * page_size + p % page_size
+        for start, n, pages in seqs
+        for p in range(start, start + n)
+    ]
+
+
+def _read_slots(table: torch.Tensor, L: int, page_size: int) -> torch.Tensor:
+    """table [B, P] -> [B, L]: each sequence's context slots through its page table, padded to
+    the longest context ``L`` (past a sequence's own: slots of page 0)."""
+    B, P = table.shape
+    slots = (table * page_size)[:, :, None] + torch.arange(page_size)  # [B, P, page_size]
+    return slots.view(B, P * page_size)[:, :L].contiguous()
 
 
 def _mask(

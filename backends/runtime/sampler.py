@@ -28,6 +28,22 @@ def generator(params: SamplingParams, device="cpu") -> torch.Generator | None:
     return torch.Generator(device=device).manual_seed(params.seed)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] -> [R] int64: each row's first maximum, as ``logits.argmax(-1)``. On a CPU
+    in two passes: the best chunk by its ``amax``, then the best within it (torch's CPU argmax
+    is a scalar loop: 42 us a row of 49,152 floats, against 19 us; 124 against 36 for the six
+    rows of a verify). A NaN wins as in ``argmax``: it is its chunk's ``amax`` and then the
+    first of its chunk."""
+    R, V = logits.shape
+    chunk = next((c for c in (1024, 512, 256, 128) if V % c == 0 and V > c), None)
+    if logits.device.type != "cpu" or chunk is None:
+        return logits.argmax(-1)
+    chunks = logits.reshape(R, V // chunk, chunk)
+    best = chunks.amax(-1).argmax(-1)  # [R]
+    within = chunks[torch.arange(R), best].argmax(-1)
+    return best * chunk + within
+
+
 History = tuple[list[int], list[int]]  # (prompt_ids, output_ids) of one logits row
 
 
@@ -135,7 +151,7 @@ def sample(
             f"{len(params)} params, {len(generators)} generators"
         )
     logits = penalize(logits, params, histories)
-    out: list[int | None] = logits.argmax(-1).tolist()  # greedy for all, replaced where sampling
+    out: list[int | None] = argmax_rows(logits).tolist()  # greedy for all, replaced where sampling
     for i, (p, g) in enumerate(zip(params, generators, strict=True)):
         if p.greedy:
             continue

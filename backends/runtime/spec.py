@@ -60,7 +60,7 @@ from .kv_pool import KVPool
 from .loader import load_runner
 from .paged import SeqInput
 from .runner import ModelRunner
-from .sampler import _filter, penalize, scaled, token_logprobs
+from .sampler import _filter, argmax_rows, penalize, scaled, token_logprobs
 from .sampling_params import SamplingParams, TokenLogprob
 from .sequence import Sequence
 
@@ -219,7 +219,7 @@ def _uniform(device: torch.device, g: torch.Generator | None) -> float:
 
 def accept_greedy(target_logits: torch.Tensor, drafts: list[int]) -> tuple[list[int], int]:
     """target_logits [k+1, V] -> (emitted tokens, number of accepted drafts)."""
-    best = target_logits.argmax(-1).tolist()
+    best = argmax_rows(target_logits).tolist()
     m = 0
     while m < len(drafts) and drafts[m] == best[m]:
         m += 1
@@ -300,18 +300,23 @@ class DraftChain:
         self.sequence = list(range(len(ks)))  # chain -> its sequence
         self.of_sequence: dict[int, list[float]] = {}  # sequence -> its drafts' (max_drafts)
 
-    def drafted(self, i: int, seq: Sequence, row: torch.Tensor, drafts: list[int], q: list):
+    def drafted(
+        self, i: int, seq: Sequence, row: torch.Tensor, drafts: list[int], q: list, dist=None
+    ) -> torch.Tensor | None:
         """Chain i proposed ``drafts[-1]`` from the logits ``row`` [V] (sampled: drawn from
-        ``q[-1]``, the distribution the verify's rejection rule uses)."""
+        ``q[-1]``, the distribution the verify's rejection rule uses). -> the distribution it
+        read (None: no cut needs one), for ``dist`` of another chain drafted from ``row``."""
         if not self.min_confidence and not self.max_drafts:
-            return
-        dist = row.float().softmax(-1) if seq.params.greedy else q[-1]
+            return None
+        if dist is None:
+            dist = row.float().softmax(-1) if seq.params.greedy else q[-1]
         trail = self.trail[i]
         trail.append((trail[-1] if trail else 1.0) * float(dist[drafts[-1]]))
         if trail[-1] < self.min_confidence:
             self.ks[i] = min(self.ks[i], len(drafts))
         if self.max_drafts:
             self.of_sequence.setdefault(self.sequence[i], []).append(trail[-1])
+        return dist
 
     def add(self, k: int, sequence: int) -> int:
         """One more chain of up to ``k`` drafts for ``sequence`` (an alternative,
@@ -455,7 +460,7 @@ class SpecEngine(LLMEngine):
 
     def _propose_one(self, seq: Sequence, logits: torch.Tensor, q: list) -> int:
         if seq.params.greedy:
-            return int(logits.argmax())
+            return int(argmax_rows(logits[None])[0])
         dist = probs(logits[None], seq.params)[0]  # [V]
         q.append(dist)
         return _draw(dist, seq.generator)

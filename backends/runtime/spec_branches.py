@@ -26,6 +26,7 @@ import torch
 
 from .kv_pool import KVPool
 from .paged import SeqInput
+from .sampler import argmax_rows
 from .sequence import Sequence
 
 
@@ -74,10 +75,13 @@ class Branches:
         self._tails: list[list[int]] = []
         self.kept = 0
 
-    def spawn(self, seq: Sequence, main: Chain, row: torch.Tensor, k: int, chain) -> list[Chain]:
-        """Alternatives to ``main``, whose first draft the head chose from ``row`` [V]: the
-        next best first tokens, each a chain of up to ``k`` drafts. The head continues them
-        at the positions from ``seq.draft_len`` on, through tails of its own."""
+    def spawn(
+        self, seq: Sequence, main: Chain, row: torch.Tensor, k: int, chain, dist=None
+    ) -> list[Chain]:
+        """Alternatives to ``main``, whose first draft the head chose from ``row`` [V] (``dist``:
+        its distribution, as ``chain.drafted`` returned it): the next best first tokens, each a
+        chain of up to ``k`` drafts. The head continues them at the positions from
+        ``seq.draft_len`` on, through tails of its own."""
         top = row.topk(min(self.width, row.numel()))
         picks = [t for v, t in zip(top.values.tolist(), top.indices.tolist(), strict=True)
                  if t != main.drafts[0] and v != float("-inf")]  # fmt: skip
@@ -92,7 +96,7 @@ class Branches:
                 head_pages, tail = fork
                 self._head_tails.append(tail)
             alt = Chain(main.i, [t], chain.add(k, main.i), head_pages, main.feature)
-            chain.drafted(alt.c, seq, row, alt.drafts, alt.qs)
+            dist = chain.drafted(alt.c, seq, row, alt.drafts, alt.qs, dist)
             new.append(alt)
         if new:
             self.alts[main.i] = new
@@ -143,7 +147,7 @@ class Branches:
         for i, alts in self.alts.items():
             rows = range(at, at + len(alts))
             at += len(alts)
-            best = int(logits[i][0].argmax())
+            best = int(argmax_rows(logits[i][:1])[0])
             if drafts[i][0] == best:
                 continue
             for alt, r in zip(alts, rows, strict=True):

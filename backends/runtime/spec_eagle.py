@@ -110,9 +110,9 @@ class EagleSpecEngine(SpecEngine):
                 for r, row, g in zip(rows, pen, outs, strict=True):
                     s, r.feature = seqs[r.i], g  # the head's own predicted feature
                     r.drafts.append(self._propose_one(s, row[-1], r.qs))
-                    chain.drafted(r.c, s, row[-1], r.drafts, r.qs)
+                    dist = chain.drafted(r.c, s, row[-1], r.drafts, r.qs)
                     if j == 0 and branches.width > 1 and can_branch(s):
-                        spawned += branches.spawn(s, r, row[-1], ks[r.i], chain)
+                        spawned += branches.spawn(s, r, row[-1], ks[r.i], chain, dist)
                 j += 1
                 rows = [r for r in rows + spawned if chain.wants(r.c, j)]
                 inputs = [

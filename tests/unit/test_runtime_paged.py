@@ -105,6 +105,13 @@ def test_meta_positions_and_slots():
     assert meta.ctx_lens.tolist() == [7, 3, 3]
     assert meta.q_index.tolist() == [0, 1, 3, 4, 5, 6]
     assert meta.read_slots[0].tolist() == [36, 37, 38, 39, 12, 13, 14]
+    assert meta.read_slots.shape == (3, 7) and meta.read_slots.is_contiguous()
+    assert meta.read_slots[1, :3].tolist() == [16, 17, 18]
+    assert meta.read_slots[2, :3].tolist() == [4, 5, 6]
+    other = meta.with_pages([(5, 2, [2, 5, 8]), (0, 3, [6]), (2, 1, [0])], 16)
+    assert other.write_slots.tolist() == [5 * PS + 1, 5 * PS + 2, 24, 25, 26, 2]
+    assert other.read_slots[0].tolist() == [8, 9, 10, 11, 20, 21, 22]
+    assert other.positions is meta.positions and other.page_table[2, 0] == 0
 
 
 def test_meta_refuses_missing_and_foreign_pages():

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import runtime_models as rm
 import torch
 
 from backends.runtime.loader import load_runner
-from backends.runtime.sampler import generator, sample
+from backends.runtime.sampler import argmax_rows, generator, sample
 from backends.runtime.sampling_params import SamplingParams
 
 
@@ -15,6 +16,22 @@ def test_greedy_and_top_k_1_pick_argmax():
     params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=1, seed=3)] * 2
     gens = [generator(p) for p in params]
     assert sample(logits, params, gens) == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [49152, 151936, 50257, 2048])
+def test_argmax_rows_is_argmax_with_its_ties_and_nans(vocab):
+    """The chunked argmax picks what torch's does: the first maximum, across chunk borders
+    too, the first NaN, and index 0 of an all -inf row; one row, a strided view, and a
+    vocabulary no chunk divides (50257, torch's own)."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(7, vocab, generator=g)
+    x[1, [5, vocab - 3]] = 50.0  # a tie far apart: the first
+    x[2, [1023, 1024]] = 50.0  # a tie across a chunk border
+    x[3, [vocab // 2, 7]] = float("nan")  # the first NaN wins
+    x[4] = float("-inf")
+    x[5, vocab - 1] = 1e9  # the very last column
+    for rows in (x, x[5:6], x.t().contiguous().t()):
+        assert argmax_rows(rows).tolist() == rows.argmax(-1).tolist()
 
 
 def test_top_p_keeps_only_the_nucleus():

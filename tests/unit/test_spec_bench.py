@@ -124,3 +124,16 @@ def test_engines_take_turns_group_by_group_each_group_one_further_on(monkeypatch
     assert list(out) == ["a", "b", "c"]
     assert out["a"]["runs_tok_s"] == [4.0, 4.0] and out["b"]["runs_tok_s"] == [2.0, 2.0]
     assert all(r["outputs"] == [[1], [2]] for r in out.values())
+
+
+def test_speedup_is_the_median_of_each_runs_own_ratio():
+    """Run 1 of the head against run 1 of target only, and so on: the median of those ratios,
+    not the ratio of the two medians, which here pairs the head's run 2 with target only's
+    run 2 of another speed (chat, the issue's command, 2026-11-30: 1.26x of medians, 1.34x
+    paired)."""
+    from benchmarks import spec as bench
+
+    head, base = [40.19, 42.67, 49.36], [30.07, 33.79, 35.15]
+    out = bench.speedup(head, base)
+    assert [round(x, 3) for x in out["speedup_runs"]] == [1.337, 1.263, 1.404]
+    assert round(out["speedup"], 3) == 1.337 and round(out["speedup_of_medians"], 3) == 1.263

@@ -131,9 +131,9 @@ def test_sampled_and_penalised_sequences_run_one_chain(llama, monkeypatch):
     spawned = []
     spawn = Branches.spawn
 
-    def spy(self, seq, main, row, k, chain):
+    def spy(self, seq, main, row, k, chain, dist=None):
         spawned.append(seq.seq_id)
-        return spawn(self, seq, main, row, k, chain)
+        return spawn(self, seq, main, row, k, chain, dist)
 
     monkeypatch.setattr(Branches, "spawn", spy)
     sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True)
